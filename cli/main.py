@@ -1,0 +1,438 @@
+"""The ``kvcdn`` command: thin click commands over the library, rich output for people.
+
+Every command takes ``--json`` to print data for scripts instead. Library
+errors become one line on stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvcdn.errors import KvcdnError
+from kvcdn.store import Store
+
+out = Console()
+err = Console(stderr=True)
+
+DEMO_QUESTION = "What is sed?"
+
+
+class KvcdnGroup(click.Group):
+    """A click group that turns kvcdn errors into one-line messages."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvcdnError as exc:
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            ctx.exit(130)
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+store_option = click.option(
+    "--store",
+    envvar="KVCDN_STORE",
+    help="Where KV lives: a folder, s3://bucket/prefix or memory://. "
+    "[env KVCDN_STORE; default ~/.cache/kvcdn/store]",
+)
+endpoint_option = click.option(
+    "--endpoint-url",
+    envvar="AWS_ENDPOINT_URL",
+    help="S3-compatible endpoint (MinIO, Ceph RGW, R2, moto...). [env AWS_ENDPOINT_URL]",
+)
+model_option = click.option(
+    "--model",
+    help="Alias (smollm2-135m, llama-70b, llama-8b, mistral-7b, qwen2.5-7b), Hugging Face id "
+    "or local path. [default: smollm2-135m for publish; the published model otherwise]",
+)
+device_option = click.option(
+    "--device", help="Where the model runs: cpu, cuda, cuda:1... [default: cuda if present]"
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+def _open(store: str | None, endpoint_url: str | None) -> Store:
+    from kvcdn.store import open_store
+
+    return open_store(store, endpoint_url=endpoint_url)
+
+
+@click.group(cls=KvcdnGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug).")
+@click.version_option(package_name="kvcdn")
+def cli(verbose: int) -> None:
+    """kvcdn: publish a document's KV cache once, answer from it anywhere.
+
+    \b
+    Typical use:
+      kvcdn publish manual.md                 # prefill, encode, upload
+      kvcdn ls                                # what the store holds
+      kvcdn inspect manual                    # levels, sizes, chunks
+      kvcdn ask manual "How do I ...?" --compare
+      kvcdn demo                              # all of it on a bundled document
+    """
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(
+        level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s"
+    )
+
+
+# ---- publish --------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@model_option
+@store_option
+@endpoint_option
+@click.option(
+    "--levels",
+    default="fp16,int8",
+    show_default=True,
+    help="Quality levels to publish, comma-separated.",
+)
+@click.option(
+    "--chunk-tokens",
+    default=256,
+    show_default=True,
+    type=int,
+    help="Tokens per chunk (the unit of fetching and sharing).",
+)
+@click.option("--name", help="Document name (one PATH only). [default: the file name's stem]")
+@device_option
+@json_option
+def publish(
+    paths: tuple[Path, ...],
+    model: str | None,
+    store: str | None,
+    endpoint_url: str | None,
+    levels: str,
+    chunk_tokens: int,
+    name: str | None,
+    device: str | None,
+    as_json: bool,
+) -> None:
+    """Prefill each document, encode its KV at every level, and upload it.
+
+    Objects go up first, the versioned manifest last, so a crash never leaves
+    a half-published version; re-running finishes the job, and re-publishing
+    an unchanged document changes nothing. A changed document becomes the
+    next version and uploads only the chunks that changed.
+    """
+    from kvcdn.codec import parse_levels
+    from kvcdn.models import load_model
+    from kvcdn.publish import publish as do_publish
+    from kvcdn.publish import read_document
+
+    if name and len(paths) > 1:
+        raise click.UsageError("--name works with one document only")
+    for path in paths:  # bad input fails before the model spends seconds loading
+        read_document(path)
+    parse_levels(levels)
+    target = _open(store, endpoint_url)
+    with err.status("loading model…"):
+        loaded = load_model(model, device)
+    results = []
+    for path in paths:
+        with _progress(not as_json) as progress:
+            results.append(
+                do_publish(
+                    path,
+                    name=name,
+                    model=loaded,
+                    store=target,
+                    levels=levels,
+                    chunk_tokens=chunk_tokens,
+                    progress=_progress_callback(progress, path.name),
+                )
+            )
+        r = results[-1]
+        if not as_json:
+            if r.unchanged:
+                out.print(f"[green]✓[/] {r.name}@{r.version} unchanged ({r.token_count} tokens)")
+            else:
+                out.print(
+                    f"[green]✓[/] {r.name}@{r.version}: {r.token_count} tokens, {r.chunks} chunks, "
+                    f"{r.uploaded_objects} objects uploaded ({_mb(r.uploaded_bytes)}), "
+                    f"{r.reused_objects} reused, {r.seconds['total']:.1f} s"
+                )
+    if as_json:
+        _emit_json([r.__dict__ for r in results])
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        disable=not enabled,
+        transient=True,
+    )
+
+
+def _progress_callback(progress: Progress, label: str) -> Callable[[str, int, int], None]:
+    tasks: dict[str, Any] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = progress.add_task(f"{label}: {stage}", total=total)
+        progress.update(tasks[stage], completed=done, total=total)
+
+    return update
+
+
+# ---- ls / inspect ---------------------------------------------------------------
+
+
+@cli.command("ls")
+@store_option
+@endpoint_option
+@json_option
+def ls(store: str | None, endpoint_url: str | None, as_json: bool) -> None:
+    """List the documents in the store and their versions."""
+    from kvcdn.catalog import list_documents
+
+    target = _open(store, endpoint_url)
+    docs = list_documents(target)
+    if as_json:
+        _emit_json([{"name": d.name, "versions": d.versions, "latest": d.latest} for d in docs])
+        return
+    if not docs:
+        out.print(f"no documents in {escape(target.url)}")
+        return
+    table = Table(title=f"documents in {target.url}")
+    table.add_column("name")
+    table.add_column("latest", justify="right")
+    table.add_column("versions")
+    for d in docs:
+        table.add_row(d.name, str(d.latest), ", ".join(map(str, d.versions)))
+    out.print(table)
+
+
+@cli.command()
+@click.argument("ref", metavar="NAME[@VERSION]")
+@store_option
+@endpoint_option
+@json_option
+def inspect(ref: str, store: str | None, endpoint_url: str | None, as_json: bool) -> None:
+    """Show a document version: model, levels, sizes, bits per element, chunks."""
+    from kvcdn.catalog import parse_ref, read_manifest
+
+    name, version = parse_ref(ref)
+    m = read_manifest(_open(store, endpoint_url), name, version)
+    if as_json:
+        _emit_json(m.to_json())
+        return
+    out.print(
+        f"[bold]{m.name}@{m.version}[/]  model {m.model_name} ({m.model_fingerprint[:12]})  "
+        f"{m.token_count} tokens in {len(m.chunks)} chunks of {m.chunk_tokens}  "
+        f"published {m.created_at}"
+    )
+    layout = m.kv_layout
+    out.print(
+        f"KV layout: {layout['layers']} layers × {layout['kv_heads']} KV heads × "
+        f"{layout['head_dim']} head dim ({layout['dtype']})"
+    )
+    table = Table(title="levels")
+    for col in ("level", "codec", "bytes", "bits/element", "description"):
+        table.add_column(col, justify="right" if col in ("bytes", "bits/element") else "left")
+    for lv_name, lv in m.levels.items():
+        table.add_row(
+            lv_name, lv.codec, _mb(lv.total_bytes), f"{lv.bits_per_element:.2f}", lv.description
+        )
+    out.print(table)
+    chunks = Table(title="chunks")
+    for col in ("#", "tokens", "hash", *m.levels):
+        chunks.add_column(col)
+    for c in m.chunks:
+        chunks.add_row(
+            str(c.index),
+            f"{c.start}–{c.end}",
+            c.hash[:12],
+            *(_mb(c.objects[lv].bytes) if lv in c.objects else "-" for lv in m.levels),
+        )
+    out.print(chunks)
+
+
+# ---- ask / demo -----------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("doc", metavar="DOC")
+@click.argument("question")
+@click.option("--level", help="Quality level to load. [default: int8 if published, else fp16]")
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Also answer after a full prefill and print both times to first token.",
+)
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 4096))
+@model_option
+@store_option
+@endpoint_option
+@device_option
+@json_option
+def ask(
+    doc: str,
+    question: str,
+    level: str | None,
+    compare: bool,
+    max_new_tokens: int,
+    model: str | None,
+    store: str | None,
+    endpoint_url: str | None,
+    device: str | None,
+    as_json: bool,
+) -> None:
+    """Answer QUESTION from DOC's published KV cache.
+
+    DOC is a document name (name or name@version), or the path of a document
+    that was published.
+    """
+    result = _ask(
+        doc, question, level, compare, max_new_tokens, model, _open(store, endpoint_url), device
+    )
+    if as_json:
+        _emit_json(result)
+    else:
+        _print_answers(result)
+
+
+def _ask(
+    doc: str,
+    question: str,
+    level: str | None,
+    compare: bool,
+    max_new_tokens: int,
+    model: str | None,
+    target: Store,
+    device: str | None,
+) -> dict[str, Any]:
+    from kvcdn import sdk
+    from kvcdn.models import load_model
+
+    loaded = None
+    if model:
+        with err.status("loading model…"):
+            loaded = load_model(model, device)
+    else:
+        # Load the document's own model before the clock starts: model loading
+        # is a one-off cost of the process, not of answering.
+        from kvcdn.catalog import parse_ref, read_manifest
+
+        if not Path(doc).is_file():
+            name, version = parse_ref(doc)
+            with err.status("loading model…"):
+                loaded = load_model(read_manifest(target, name, version).model_name, device)
+        else:
+            with err.status("loading model…"):
+                loaded = load_model(None, device)
+    ctx = sdk.load_context(doc, model=loaded, store=target, level=level, device=device)
+    answer = ctx.generate(question, max_new_tokens=max_new_tokens)
+    result: dict[str, Any] = {
+        "document": ctx.name,
+        "question": question,
+        "kvcdn": {
+            "answer": answer.text,
+            "level": ctx.plan.level,
+            "bytes": ctx.plan.bytes,
+            "load_seconds": ctx.plan.seconds,
+            "ttft_s": ctx.plan.total_seconds + answer.ttft_s,
+        },
+    }
+    if compare:
+        with err.status("answering after a full prefill…"):
+            base = sdk.answer_with_prefill(
+                loaded, ctx.token_ids, question, max_new_tokens=max_new_tokens
+            )
+        result["prefill"] = {"answer": base.text, "ttft_s": base.ttft_s}
+        result["speedup"] = base.ttft_s / result["kvcdn"]["ttft_s"]
+        result["same_answer"] = base.token_ids == answer.token_ids
+    return result
+
+
+def _print_answers(result: dict[str, Any]) -> None:
+    kv = result["kvcdn"]
+    out.print(f"[bold]{escape(result['document'])}[/] · {escape(result['question'])}")
+    out.print(f"\n[bold cyan]kvcdn ({kv['level']})[/] first token after {kv['ttft_s']:.2f} s")
+    out.print(escape(kv["answer"]))
+    if "prefill" in result:
+        pf = result["prefill"]
+        out.print(f"\n[bold magenta]full prefill[/] first token after {pf['ttft_s']:.2f} s")
+        out.print(escape(pf["answer"]))
+        same = "same answer" if result["same_answer"] else "answers differ"
+        out.print(f"\n[bold green]{result['speedup']:.1f}× faster to first token[/] ({same})")
+
+
+@cli.command()
+@store_option
+@endpoint_option
+@device_option
+@json_option
+def demo(store: str | None, endpoint_url: str | None, device: str | None, as_json: bool) -> None:
+    """The whole loop on embedded defaults: publish a bundled document, ask it both ways.
+
+    Publishes the sed manual with smollm2-135m to the store, then answers a
+    question from the published KV cache and after a full prefill, and prints
+    both times to first token.
+    """
+    from kvcdn.models import load_model
+    from kvcdn.publish import publish as do_publish
+
+    target = _open(store, endpoint_url)
+    source = resources.files("kvcdn.cli") / "data" / "sed-manual.txt"
+    with resources.as_file(source) as path:
+        with err.status("loading model…"):
+            loaded = load_model(None, device)
+        with _progress(not as_json) as progress:
+            published = do_publish(
+                path,
+                model=loaded,
+                store=target,
+                progress=_progress_callback(progress, "sed-manual"),
+            )
+    if not as_json:
+        state = "already published" if published.unchanged else "published"
+        out.print(
+            f"[green]✓[/] {published.name}@{published.version} {state} to "
+            f"{escape(target.url)} ({published.token_count} tokens)\n"
+        )
+    result = _ask(
+        f"{published.name}@{published.version}", DEMO_QUESTION, None, True, 48, None, target, device
+    )
+    if as_json:
+        _emit_json({"publish": published.__dict__, "ask": result})
+    else:
+        _print_answers(result)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def main() -> None:
+    cli(prog_name="kvcdn")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Edge cache nodes (byte caches near the GPUs). Never imports torch."""

@@ -1,0 +1,1 @@
+"""Hot loops of kvcdn: pure computation on tensors, no I/O and no kvcdn imports."""

@@ -1,0 +1,58 @@
+"""The kvcdn error family.
+
+Library code raises these; the CLI turns them into one-line messages and exit
+codes. Every message is written for the person who caused it: it says what is
+wrong and, where there is one, what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class KvcdnError(Exception):
+    """Base of every error kvcdn raises on purpose."""
+
+    exit_code = 1
+
+
+class InputError(KvcdnError):
+    """The user's input (a document, an argument) cannot be used."""
+
+    exit_code = 2
+
+
+class DocumentTooLong(InputError):
+    """The document does not fit the model's context window."""
+
+
+class ModelError(KvcdnError):
+    """The model cannot be resolved or loaded."""
+
+    exit_code = 3
+
+
+class FingerprintMismatch(ModelError):
+    """KV computed by one model was offered to another."""
+
+
+class StoreError(KvcdnError):
+    """The object store cannot be reached or refused a request."""
+
+    exit_code = 4
+
+
+class NotFound(StoreError):
+    """A document, version or object does not exist in the store."""
+
+
+class ConcurrentPublish(StoreError):
+    """Another publisher wrote the same version first."""
+
+
+class FormatError(KvcdnError):
+    """A stored object or manifest is malformed, corrupted or of an unknown version."""
+
+    exit_code = 5
+
+
+class IntegrityError(FormatError):
+    """An object's bytes do not match their checksum."""

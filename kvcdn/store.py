@@ -1,0 +1,255 @@
+"""Object stores over fsspec: a local folder, ``s3://bucket/prefix``, ``memory://``.
+
+A store is a flat namespace of keys (``a/b/c``) under a root. It offers what
+publishing needs and nothing more: read, atomic write, create-only write (the
+conditional write that keeps two publishers from claiming one version), list.
+
+S3 works unchanged against AWS, MinIO, Ceph RGW, R2 or moto: the endpoint comes
+from ``endpoint_url`` or ``AWS_ENDPOINT_URL``, credentials from the standard AWS
+variables, and a custom endpoint gets path-style addressing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from .errors import NotFound, StoreError
+
+log = logging.getLogger(__name__)
+
+
+def default_store_url() -> str:
+    """``$KVCDN_STORE``, else ``~/.cache/kvcdn/store``."""
+    env = os.environ.get("KVCDN_STORE")
+    if env:
+        return env
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return str(cache / "kvcdn" / "store")
+
+
+class Store:
+    """Keys and bytes under one root of an fsspec filesystem."""
+
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str) -> None:
+        self.url = url
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self._create_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def _path(self, key: str) -> str:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"invalid store key {key!r}")
+        return f"{self.root}/{key}"
+
+    def _key(self, path: str) -> str:
+        path = path.rstrip("/")
+        root = self.fs._strip_protocol(self.root).rstrip("/")
+        return path[len(root) + 1 :] if path.startswith(root + "/") else path
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """Turn filesystem and network exceptions into kvcdn errors."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise NotFound(f"{what}: not found in {self.url} ({exc})") from None
+        except PermissionError as exc:
+            raise StoreError(
+                f"{what}: access denied by {self.url} ({exc}); check the credentials "
+                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS profile)"
+            ) from None
+        except (StoreError, ValueError):
+            raise
+        except Exception as exc:  # network stacks raise many types; all mean the same here
+            raise StoreError(f"{what}: store {self.url} failed: {exc}") from None
+
+    # ---- reading ---------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        with self._errors(f"reading {key}"):
+            return self.fs.cat_file(self._path(key))
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """Fetch several keys, concurrently where the filesystem is asynchronous."""
+        if not keys:
+            return {}
+        paths = [self._path(k) for k in keys]
+        with self._errors(f"reading {len(keys)} objects"):
+            found = self.fs.cat(paths, on_error="return")
+        out: dict[str, bytes] = {}
+        for key, path in zip(keys, paths, strict=True):
+            value = found.get(path, found.get(self.fs._strip_protocol(path)))
+            if isinstance(value, BaseException):
+                with self._errors(f"reading {key}"):
+                    raise value
+            if value is None:
+                raise NotFound(f"reading {key}: not found in {self.url}")
+            out[key] = value
+        return out
+
+    def exists(self, key: str) -> bool:
+        with self._errors(f"checking {key}"):
+            return bool(self.fs.exists(self._path(key)))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix`` (a folder-like prefix ending in ``/``, or empty)."""
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        with self._errors(f"listing {prefix or '/'}"):
+            try:
+                paths = self.fs.find(base)
+            except FileNotFoundError:
+                return []
+        return sorted(self._key(p) for p in paths)
+
+    # ---- writing ---------------------------------------------------------------
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``key``; readers see the old bytes or the new, never a part."""
+        with self._errors(f"writing {key}"):
+            self._put(self._path(key), data)
+
+    def _put(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist; False if it already did."""
+        with self._errors(f"creating {key}"):
+            try:
+                return self._create(self._path(key), data)
+            except FileExistsError:
+                return False
+
+    def _create(self, path: str, data: bytes) -> bool:
+        # Generic filesystems have no conditional write; this is exact within
+        # one process, which is what memory:// is for.
+        with self._create_lock:
+            if self.fs.exists(path):
+                return False
+            self.fs.pipe_file(path, data)
+            return True
+
+    def check(self) -> None:
+        """Raise a clear :class:`StoreError` if the store cannot be used."""
+
+
+class LocalStore(Store):
+    """A folder on a local disk; writes go to a temporary name, then are renamed."""
+
+    def _tmp(self, path: str) -> Path:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+
+    def _put(self, path: str, data: bytes) -> None:
+        tmp = self._tmp(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _create(self, path: str, data: bytes) -> bool:
+        tmp = self._tmp(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)  # fails if path exists: an atomic create-only write
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return [k for k in super().list(prefix) if not k.rsplit("/", 1)[-1].startswith(".")]
+
+    def check(self) -> None:
+        root = Path(self.root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot use {root} as a store: {exc.strerror}") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise StoreError(f"cannot write to the store folder {root}")
+
+
+class S3Store(Store):
+    """S3 and S3-compatible services through s3fs."""
+
+    def _create(self, path: str, data: bytes) -> bool:
+        self.fs.pipe_file(path, data, mode="create")  # If-None-Match: *
+        return True
+
+    def check(self) -> None:
+        bucket = self.root.split("/", 1)[0]
+        with self._errors(f"bucket {bucket}"):
+            try:
+                self.fs.call_s3("head_bucket", Bucket=bucket)
+            except FileNotFoundError:
+                raise NotFound(f"bucket '{bucket}' does not exist at {self.endpoint}") from None
+
+    @property
+    def endpoint(self) -> str:
+        return self.fs.client_kwargs.get("endpoint_url") or "AWS S3"
+
+
+def open_store(url: str | None = None, *, endpoint_url: str | None = None) -> Store:
+    """Open the store at ``url`` (default: :func:`default_store_url`)."""
+    url = url or default_store_url()
+    protocol, _, rest = url.partition("://")
+    if not rest:  # a plain path
+        path = str(Path(url).expanduser().absolute())
+        store: Store = LocalStore(path, fsspec.filesystem("file"), path)
+    elif protocol == "file":
+        path = str(Path(rest).expanduser().absolute())
+        store = LocalStore(url, fsspec.filesystem("file"), path)
+    elif protocol in ("s3", "s3a"):
+        if not rest.strip("/"):
+            raise StoreError(f"'{url}' names no bucket; use s3://bucket[/prefix]")
+        store = S3Store(url, _s3_filesystem(endpoint_url), rest.strip("/"))
+    else:
+        try:
+            fs = fsspec.filesystem(protocol)
+        except (ImportError, ValueError) as exc:
+            raise StoreError(f"unsupported store '{url}': {exc}") from None
+        store = Store(url, fs, fs._strip_protocol(url))
+    store.check()
+    return store
+
+
+def _s3_filesystem(endpoint_url: str | None) -> Any:
+    import s3fs
+
+    endpoint = (
+        endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    config: dict[str, Any] = {
+        "connect_timeout": 5,
+        "read_timeout": 60,
+        "retries": {"max_attempts": 3, "mode": "standard"},
+    }
+    client: dict[str, Any] = {}
+    if endpoint:
+        # MinIO, Ceph RGW and friends are addressed by path, not virtual host.
+        config["s3"] = {"addressing_style": "path"}
+        client["endpoint_url"] = endpoint
+        client.setdefault("region_name", os.environ.get("AWS_DEFAULT_REGION", "us-east-1"))
+    return s3fs.S3FileSystem(
+        client_kwargs=client,
+        config_kwargs=config,
+        use_listings_cache=False,
+        skip_instance_cache=True,
+    )

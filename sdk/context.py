@@ -1,0 +1,232 @@
+"""``load_context``: from a document reference to a model cache ready to answer."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcdn import catalog
+from kvcdn.codec import decode_chunk
+from kvcdn.errors import FingerprintMismatch, FormatError, InputError, IntegrityError, NotFound
+from kvcdn.kv import split_chunks
+from kvcdn.manifest import Manifest
+from kvcdn.models import LoadedModel, crop_cache, load_model
+from kvcdn.publish import document_text, read_document, source_digest
+from kvcdn.store import Store, open_store
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEVEL_PREFERENCE = ("int8", "fp16")
+_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(@(\d+|latest))?$")
+
+
+@dataclass
+class LoadPlan:
+    """What ``load_context`` did: which level per chunk, how many bytes, how long."""
+
+    store: str
+    level: str
+    chunk_levels: list[str]
+    bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    ttft_s: float  # from the question's first token into the model to the first answer token
+    first_token_logits: torch.Tensor
+
+
+class Context:
+    """A document's KV, loaded into a model's cache, ready for questions."""
+
+    def __init__(self, manifest: Manifest, model: LoadedModel, cache: Any, plan: LoadPlan):
+        self.manifest = manifest
+        self.model = model
+        self.cache = cache
+        self.plan = plan
+        self.token_ids = manifest.token_ids
+
+    @property
+    def name(self) -> str:
+        return f"{self.manifest.name}@{self.manifest.version}"
+
+    def generate(self, question: str, *, max_new_tokens: int = 64) -> Answer:
+        """Answer ``question`` about the document (greedy decoding)."""
+        if not question.strip():
+            raise InputError("the question is empty")
+        q_ids = self.model.question_ids(question)
+        try:
+            out, ttft, logits = self.model.greedy(self.cache, q_ids, max_new_tokens)
+        finally:
+            crop_cache(self.cache, len(self.token_ids))  # ready for the next question
+        return Answer(self.model.decode(out), out, ttft, logits)
+
+
+def answer_with_prefill(
+    model: LoadedModel, token_ids: list[int], question: str, *, max_new_tokens: int = 64
+) -> Answer:
+    """The baseline: answer after a full prefill of the document (no kvcdn)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.model.config)
+    out, ttft, logits = model.greedy(
+        cache, token_ids + model.question_ids(question), max_new_tokens
+    )
+    return Answer(model.decode(out), out, ttft, logits)
+
+
+def load_context(
+    source: str | Path,
+    *,
+    model: str | LoadedModel | None = None,
+    store: str | Store | None = None,
+    level: str | None = None,
+    device: str | None = None,
+    endpoint_url: str | None = None,
+) -> Context:
+    """Load a published document's KV into a model cache.
+
+    ``source`` is a document path, its text, or ``name[@version]``. The model
+    defaults to the one the document was published with; ``level`` defaults
+    to the best of int8, fp16 the manifest offers.
+    """
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    store = store if isinstance(store, Store) else open_store(store, endpoint_url=endpoint_url)
+    loaded = model if isinstance(model, LoadedModel) else None
+    manifest = None
+    if isinstance(source, Path) or (isinstance(source, str) and _is_existing_file(source)):
+        text, what = read_document(source), str(source)
+    elif isinstance(source, str) and _REF.match(source.strip()):
+        name, version = catalog.parse_ref(source.strip())
+        manifest = catalog.read_manifest(store, name, version)
+    else:
+        text, what = document_text(str(source).encode("utf-8"), "the text"), "the text"
+    if manifest is None:
+        if loaded is None:  # loading the model is a one-off cost, not part of resolving
+            t_model = time.perf_counter()
+            loaded = load_model(model if isinstance(model, str) else None, device)
+            t += time.perf_counter() - t_model
+        found = catalog.find_by_source(store, loaded.fingerprint, source_digest(text))
+        if found is None:
+            raise NotFound(
+                f"{what} has not been published for model {loaded.name} in {store.url}; "
+                "publish it first (kvcdn publish)"
+            )
+        manifest = catalog.read_manifest(store, *found)
+    seconds["resolve"] = time.perf_counter() - t
+
+    if loaded is None:
+        loaded = load_model(model or manifest.model_name, device)
+    if loaded.fingerprint != manifest.model_fingerprint:
+        raise FingerprintMismatch(
+            f"{manifest.name}@{manifest.version} holds KV of model {manifest.model_name} "
+            f"(fingerprint {manifest.model_fingerprint[:12]}), not of {loaded.name} "
+            f"({loaded.fingerprint[:12]}); load it with the model it was published with"
+        )
+    level = _choose_level(manifest, level)
+    return _assemble(manifest, loaded, store, level, seconds)
+
+
+def _is_existing_file(source: str) -> bool:
+    if "\n" in source or len(source) > 4096:
+        return False
+    try:
+        return Path(source).expanduser().is_file()
+    except OSError:
+        return False
+
+
+def _choose_level(manifest: Manifest, level: str | None) -> str:
+    if level:
+        if level not in manifest.levels:
+            raise InputError(
+                f"{manifest.name}@{manifest.version} has no level '{level}' "
+                f"(it has {', '.join(manifest.levels)})"
+            )
+        return level
+    for preferred in DEFAULT_LEVEL_PREFERENCE:
+        if preferred in manifest.levels:
+            return preferred
+    return next(iter(manifest.levels))
+
+
+def _assemble(
+    manifest: Manifest, loaded: LoadedModel, store: Store, level: str, seconds: dict[str, float]
+) -> Context:
+    import torch
+
+    # The chain hashes must follow from the manifest's own tokens: this ties
+    # every object key back to the text the manifest claims it holds.
+    expected = split_chunks(loaded.fingerprint, manifest.token_ids, manifest.chunk_tokens)
+    if [c.hash for c in expected] != [c.hash for c in manifest.chunks]:
+        raise FormatError(
+            f"manifest of {manifest.name}@{manifest.version}: chunk hashes do not match its tokens"
+        )
+    refs = [chunk.objects.get(level) for chunk in manifest.chunks]
+    if any(ref is None for ref in refs):
+        raise FormatError(f"{manifest.name}@{manifest.version} lacks level {level} for a chunk")
+
+    t = time.perf_counter()
+    blobs = store.get_many([ref.key for ref in refs])  # type: ignore[union-attr]
+    seconds["fetch"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    layout = manifest.kv_layout
+    parts = []
+    for chunk, ref in zip(manifest.chunks, refs, strict=True):
+        assert ref is not None
+        data = blobs[ref.key]
+        if len(data) != ref.bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise IntegrityError(
+                f"object {ref.key} does not match its manifest checksum (corrupted in the store "
+                "or in transit)"
+            )
+        header, kv = decode_chunk(data, name=f"object {ref.key}", device=loaded.device)
+        shape = (
+            layout["layers"],
+            2,
+            layout["kv_heads"],
+            chunk.end - chunk.start,
+            layout["head_dim"],
+        )
+        if header.chunk_hash != chunk.hash or tuple(header.shape) != shape:
+            raise FormatError(f"object {ref.key} holds another chunk than its manifest says")
+        parts.append(kv)
+    kv = torch.cat(parts, dim=3)
+    seconds["decode"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    cache = loaded.cache_from_kv(kv)
+    seconds["assemble"] = time.perf_counter() - t
+    plan = LoadPlan(
+        store=store.url,
+        level=level,
+        chunk_levels=[level] * len(refs),
+        bytes=sum(ref.bytes for ref in refs if ref is not None),
+        seconds=seconds,
+    )
+    log.info(
+        "loaded %s@%d at %s: %d bytes in %.2f s",
+        manifest.name,
+        manifest.version,
+        level,
+        plan.bytes,
+        plan.total_seconds,
+    )
+    return Context(manifest, loaded, cache, plan)
