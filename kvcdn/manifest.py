@@ -231,7 +231,7 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
     if token_count != expected_start:
         raise FormatError(f"{name}: token_count {token_count} does not match its chunks")
     return Manifest(
-        name=check_name(v.str(doc.get("name"), "document.name")),
+        name=v.doc_name(doc.get("name"), "document.name"),
         version=v.int(raw.get("version"), "version", minimum=1),
         source_sha256=v.hex64(doc.get("source_sha256"), "document.source_sha256"),
         source_bytes=v.int(doc.get("source_bytes"), "document.source_bytes", minimum=0),
@@ -275,6 +275,11 @@ class _Validator:
         if type(value) not in (int, float) or value < 0:
             raise self._fail(where, "a non-negative number")
         return float(value)
+
+    def doc_name(self, value: Any, where: str) -> str:
+        if not isinstance(value, str) or not _NAME.match(value):
+            raise self._fail(where, "a valid document name")
+        return value
 
     def hex64(self, value: Any, where: str) -> str:
         if not isinstance(value, str) or not _HEX64.match(value):
