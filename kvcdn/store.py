@@ -190,7 +190,15 @@ class S3Store(Store):
     """S3 and S3-compatible services through s3fs."""
 
     def _create(self, path: str, data: bytes) -> bool:
-        self.fs.pipe_file(path, data, mode="create")  # If-None-Match: *
+        try:
+            self.fs.pipe_file(path, data, mode="create")  # If-None-Match: *
+        except OSError as exc:
+            # s3fs maps a 412 to FileExistsError only when the message is AWS's;
+            # Ceph RGW sends none, so look at the S3 error code itself.
+            code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+            if code == "PreconditionFailed":
+                return False
+            raise
         return True
 
     def check(self) -> None:

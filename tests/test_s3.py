@@ -1,0 +1,66 @@
+"""The same pipeline over real S3 HTTP endpoints: moto, and Ceph RGW where installed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcdn import sdk
+from kvcdn.errors import NotFound, StoreError
+from kvcdn.manifest import latest_key, manifest_key
+from kvcdn.publish import publish
+from kvcdn.store import open_store
+
+
+def test_store_primitives(s3):
+    store = open_store(s3.url("p"), endpoint_url=s3.endpoint)
+    store.put("a/b", b"one")
+    assert store.get("a/b") == b"one"
+    assert store.put_new("a/c", b"first") is True
+    assert store.put_new("a/c", b"second") is False  # If-None-Match: * was honoured
+    assert store.get("a/c") == b"first"
+    assert store.list("a/") == ["a/b", "a/c"]
+    assert store.get_many(["a/b", "a/c"]) == {"a/b": b"one", "a/c": b"first"}
+    with pytest.raises(NotFound):
+        store.get("a/missing")
+
+
+def test_publish_and_load_over_s3(s3, model, short_text, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # the standard AWS variable
+    url = s3.url()
+    first = publish(text=short_text, name="sed-intro", model=model, store=url,
+                    levels="fp16,int8")
+    keys = {o["Key"] for o in s3.client.list_objects_v2(Bucket=s3.bucket)["Contents"]}
+    assert f"kv/{manifest_key('sed-intro', 1)}" in keys
+    assert f"kv/{latest_key('sed-intro')}" in keys
+    assert sum(k.endswith(".kvc") for k in keys) == first.chunks * 2
+    ctx = sdk.load_context("sed-intro", store=url, model=model, level="fp16")
+    local = sdk.load_context(short_text, store=url, model=model, level="fp16")
+    assert ctx.token_ids == local.token_ids
+    assert ctx.plan.bytes == first.level_bytes["fp16"]
+    again = publish(text=short_text, name="sed-intro", model=model, store=url)
+    assert again.unchanged and again.uploaded_objects == 0
+
+
+def test_missing_bucket_is_reported(s3):
+    with pytest.raises(NotFound, match="bucket 'no-such-bucket-kvcdn' does not exist"):
+        open_store("s3://no-such-bucket-kvcdn/x", endpoint_url=s3.endpoint)
+
+
+def test_unreachable_endpoint_is_reported():
+    from tests.conftest import free_port
+
+    with pytest.raises(StoreError, match="failed"):
+        open_store("s3://bucket/x", endpoint_url=f"http://127.0.0.1:{free_port()}")
+
+
+@pytest.mark.ceph
+def test_bad_credentials_are_reported(ceph_endpoint, monkeypatch):
+    import boto3
+
+    boto3.client("s3", endpoint_url=ceph_endpoint.endpoint, region_name="us-east-1",
+                 aws_access_key_id=ceph_endpoint.access_key,
+                 aws_secret_access_key=ceph_endpoint.secret_key).create_bucket(Bucket="kvcdn-auth")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ceph_endpoint.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    with pytest.raises(StoreError, match="access denied|credentials|SignatureDoesNotMatch"):
+        open_store("s3://kvcdn-auth/x", endpoint_url=ceph_endpoint.endpoint)
