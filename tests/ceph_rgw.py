@@ -97,14 +97,46 @@ rgw data = {r}/rgw
         (r / "run").mkdir()
         (r / "log").mkdir()
         (r / "rgw").mkdir()
-        self._run("ceph-authtool", "--create-keyring", str(keyring), "--gen-key", "-n", "mon.",
-                  "--cap", "mon", "allow *")
-        self._run("ceph-authtool", str(keyring), "--gen-key", "-n", "client.admin", "--cap",
-                  "mon", "allow *", "--cap", "osd", "allow *", "--cap", "mds", "allow *")
-        self._run("monmaptool", "--create", "--fsid", fsid, "--addv", "a", f"[{mon}]",
-                  str(r / "monmap"))
-        self._run("ceph-mon", "--mkfs", "-i", "a", "--monmap", str(r / "monmap"), "--keyring",
-                  str(keyring))
+        self._run(
+            "ceph-authtool",
+            "--create-keyring",
+            str(keyring),
+            "--gen-key",
+            "-n",
+            "mon.",
+            "--cap",
+            "mon",
+            "allow *",
+        )
+        self._run(
+            "ceph-authtool",
+            str(keyring),
+            "--gen-key",
+            "-n",
+            "client.admin",
+            "--cap",
+            "mon",
+            "allow *",
+            "--cap",
+            "osd",
+            "allow *",
+            "--cap",
+            "mds",
+            "allow *",
+        )
+        self._run(
+            "monmaptool", "--create", "--fsid", fsid, "--addv", "a", f"[{mon}]", str(r / "monmap")
+        )
+        self._run(
+            "ceph-mon",
+            "--mkfs",
+            "-i",
+            "a",
+            "--monmap",
+            str(r / "monmap"),
+            "--keyring",
+            str(keyring),
+        )
         self._run("ceph-mon", "-i", "a")
         osd_uuid = str(uuid.uuid4())
         (r / "osd" / "fsid").write_text(osd_uuid + "\n")  # memstore needs it before mkfs
@@ -123,8 +155,15 @@ rgw data = {r}/rgw
                 if time.monotonic() > deadline:
                     raise RuntimeError("radosgw did not answer within 90 s") from None
                 time.sleep(0.5)
-        self._run("radosgw-admin", "user", "create", "--uid=kvcdn", "--display-name=kvcdn",
-                  f"--access-key={self.access_key}", f"--secret-key={self.secret_key}")
+        self._run(
+            "radosgw-admin",
+            "user",
+            "create",
+            "--uid=kvcdn",
+            "--display-name=kvcdn",
+            f"--access-key={self.access_key}",
+            f"--secret-key={self.secret_key}",
+        )
 
     def stop(self) -> None:
         # Throwaway data: SIGKILL skips memstore's slow dump of its RAM image.

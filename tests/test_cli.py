@@ -16,8 +16,13 @@ COMMANDS = ["publish", "ls", "inspect", "ask", "demo"]
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcdn.cli.main", *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "kvcdn.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.parametrize("command", [None, *COMMANDS])
@@ -42,23 +47,38 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
     listing = json.loads(runner.invoke(cli, ["ls", "--store", store, "--json"]).stdout)
     assert listing == [{"name": "sed-intro", "versions": [1], "latest": 1}]
 
-    manifest = json.loads(runner.invoke(cli, ["inspect", "sed-intro@1", "--store", store,
-                                              "--json"]).stdout)
+    manifest = json.loads(
+        runner.invoke(cli, ["inspect", "sed-intro@1", "--store", store, "--json"]).stdout
+    )
     assert set(manifest["levels"]) == {"fp16", "int8"}
     assert manifest["token_count"] == published["token_count"]
     table = runner.invoke(cli, ["inspect", "sed-intro", "--store", store])
     assert "bits/element" in table.output and "int8" in table.output
 
-    asked = runner.invoke(cli, ["ask", "sed-intro", "What is sed?", "--store", store,
-                                "--level", "fp16", "--compare", "--max-new-tokens", "12",
-                                "--json"])
+    asked = runner.invoke(
+        cli,
+        [
+            "ask",
+            "sed-intro",
+            "What is sed?",
+            "--store",
+            store,
+            "--level",
+            "fp16",
+            "--compare",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ],
+    )
     assert asked.exit_code == 0, asked.output
     result = json.loads(asked.stdout)
     assert result["kvcdn"]["level"] == "fp16"
     assert result["same_answer"] is True
     assert result["kvcdn"]["answer"] == result["prefill"]["answer"] != ""
     assert result["speedup"] == pytest.approx(
-        result["prefill"]["ttft_s"] / result["kvcdn"]["ttft_s"])
+        result["prefill"]["ttft_s"] / result["kvcdn"]["ttft_s"]
+    )
 
 
 def test_demo_runs_on_embedded_defaults(model, tmp_path):
@@ -78,23 +98,27 @@ def test_demo_runs_on_embedded_defaults(model, tmp_path):
         (["publish", "BINARY"], "binary file", 2),
         (["publish", "DOC", "--model", "gpt-17"], "unknown model 'gpt-17'", 3),
         (["publish", "DOC", "--levels", "fp16,int3"], "unknown level(s) int3", 2),
-        (["ls", "--store", "s3://no-such-bucket-kvcdn", "--endpoint-url", "MOTO"],
-         "bucket 'no-such-bucket-kvcdn' does not exist", 4),
-        (["ls", "--store", "s3://bucket", "--endpoint-url", "http://127.0.0.1:9"],
-         "failed", 4),
+        (
+            ["ls", "--store", "s3://no-such-bucket-kvcdn", "--endpoint-url", "MOTO"],
+            "bucket 'no-such-bucket-kvcdn' does not exist",
+            4,
+        ),
+        (["ls", "--store", "s3://bucket", "--endpoint-url", "http://127.0.0.1:9"], "failed", 4),
         (["inspect", "nothing-here"], "no document named 'nothing-here'", 4),
         (["inspect", "bad/name"], "invalid document name", 2),
     ],
 )
-def test_user_mistakes_get_one_line_and_an_exit_code(args, message, code, tmp_path,
-                                                     moto_endpoint):
+def test_user_mistakes_get_one_line_and_an_exit_code(args, message, code, tmp_path, moto_endpoint):
     (tmp_path / "empty.md").write_text("")
     (tmp_path / "blob").write_bytes(b"\0\1\2")
     (tmp_path / "doc.md").write_text("A short document.")
-    subst = {"EMPTY": str(tmp_path / "empty.md"), "BINARY": str(tmp_path / "blob"),
-             "DOC": str(tmp_path / "doc.md"), "MOTO": moto_endpoint}
-    result = run(*[subst.get(a, a) for a in args],
-                 env={"KVCDN_STORE": str(tmp_path / "store")})
+    subst = {
+        "EMPTY": str(tmp_path / "empty.md"),
+        "BINARY": str(tmp_path / "blob"),
+        "DOC": str(tmp_path / "doc.md"),
+        "MOTO": moto_endpoint,
+    }
+    result = run(*[subst.get(a, a) for a in args], env={"KVCDN_STORE": str(tmp_path / "store")})
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

@@ -44,8 +44,12 @@ def test_killed_publish_keeps_the_previous_version_and_resumes(model, short_text
 
     # Change the middle: every chunk from there on is new (prefix chaining).
     doc.write_text(short_text[:1200] + "\nAn inserted sentence.\n" + short_text[1200:])
-    killed = subprocess.run([sys.executable, "-c", KILLER, str(doc), str(root), "2"],
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, str(doc), str(root), "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
 
     store = open_store(str(root))

@@ -73,10 +73,20 @@ def test_unknown_format_version_is_refused() -> None:
     "header",
     [
         {"codec": "fp16", "level": "fp16", "params": {}, "shape": [2, 2, 3], "chunk_hash": HASH},
-        {"codec": "fp16", "level": "fp16", "params": {}, "shape": [2, 3, 3, 8, 16],
-         "chunk_hash": HASH},
-        {"codec": "fp16", "level": "fp16", "params": {}, "shape": [2, 2, 3, 8, 16],
-         "chunk_hash": "nothex"},
+        {
+            "codec": "fp16",
+            "level": "fp16",
+            "params": {},
+            "shape": [2, 3, 3, 8, 16],
+            "chunk_hash": HASH,
+        },
+        {
+            "codec": "fp16",
+            "level": "fp16",
+            "params": {},
+            "shape": [2, 2, 3, 8, 16],
+            "chunk_hash": "nothex",
+        },
         {"codec": 5, "level": "fp16", "params": {}, "shape": [2, 2, 3, 8, 16], "chunk_hash": HASH},
         [1, 2, 3],
     ],
@@ -159,13 +169,32 @@ def _manifest_json() -> dict:
         "token_count": 10,
         "chunk_tokens": 8,
         "kv_layout": {"layers": 2, "kv_heads": 3, "head_dim": 16, "dtype": "float32"},
-        "levels": {"fp16": {"id": "fp16-x", "codec": "fp16", "params": {}, "total_bytes": 9,
-                            "bits_per_element": 16.0}},
+        "levels": {
+            "fp16": {
+                "id": "fp16-x",
+                "codec": "fp16",
+                "params": {},
+                "total_bytes": 9,
+                "bits_per_element": 16.0,
+            }
+        },
         "chunks": [
-            {"index": 0, "start": 0, "end": 8, "hash": HASH, "tokens": tokens[:8],
-             "objects": {"fp16": {"key": "k0", "bytes": 5, "sha256": HASH}}},
-            {"index": 1, "start": 8, "end": 10, "hash": HASH, "tokens": tokens[8:],
-             "objects": {"fp16": {"key": "k1", "bytes": 4, "sha256": HASH}}},
+            {
+                "index": 0,
+                "start": 0,
+                "end": 8,
+                "hash": HASH,
+                "tokens": tokens[:8],
+                "objects": {"fp16": {"key": "k0", "bytes": 5, "sha256": HASH}},
+            },
+            {
+                "index": 1,
+                "start": 8,
+                "end": 10,
+                "hash": HASH,
+                "tokens": tokens[8:],
+                "objects": {"fp16": {"key": "k1", "bytes": 4, "sha256": HASH}},
+            },
         ],
     }
 

