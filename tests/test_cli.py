@@ -137,3 +137,9 @@ def test_cli_refuses_kv_of_a_corrupted_object(model, short_text, tmp_path):
     result = runner.invoke(cli, ["ask", "d", "What is sed?", "--store", str(store)])
     assert result.exit_code == 5
     assert "does not match its manifest checksum" in result.output
+
+
+def test_console_script_is_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "kvcdn")
+    result = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "0.1.0" in result.stdout
