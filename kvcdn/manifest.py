@@ -18,7 +18,8 @@ from .errors import FormatError, InputError
 SCHEMA_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_NAME = re.compile(f"^{NAME_PATTERN}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 

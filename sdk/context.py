@@ -14,7 +14,7 @@ from kvcdn import catalog
 from kvcdn.codec import decode_chunk
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, IntegrityError, NotFound
 from kvcdn.kv import split_chunks
-from kvcdn.manifest import Manifest
+from kvcdn.manifest import NAME_PATTERN, Manifest
 from kvcdn.models import LoadedModel, crop_cache, load_model
 from kvcdn.publish import document_text, read_document, source_digest
 from kvcdn.store import Store, open_store
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_LEVEL_PREFERENCE = ("int8", "fp16")
-_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(@(\d+|latest))?$")
+_REF = re.compile(rf"^{NAME_PATTERN}(@(\d+|latest))?$")
 
 
 @dataclass
