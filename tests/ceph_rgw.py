@@ -142,7 +142,16 @@ rgw data = {r}/rgw
         (r / "osd" / "fsid").write_text(osd_uuid + "\n")  # memstore needs it before mkfs
         self._run("ceph-osd", "-i", "0", "--mkfs", "--osd-uuid", osd_uuid)
         self._run("ceph", "osd", "new", osd_uuid, "0")
-        self._run("ceph-osd", "-i", "0")
+        # The OSD sometimes exits at its first start while the monitor is still
+        # settling (seen about once in three full test runs); a retry starts it.
+        for attempt in range(3):
+            try:
+                self._run("ceph-osd", "-i", "0")
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+                time.sleep(2)
         self._run("radosgw", "-n", "client.rgw.a")
         deadline = time.monotonic() + 90
         while True:

@@ -68,12 +68,15 @@ def ceph_endpoint(tmp_path_factory: pytest.TempPathFactory):
     reason = ceph_unavailable_reason()
     if reason:
         pytest.skip(f"Ceph RGW run skipped: {reason}")
-    rgw = CephRGW(tmp_path_factory.mktemp("ceph"))
-    try:
-        rgw.start()
-    except Exception as exc:  # a broken install is reported, not hidden
-        rgw.stop()
-        pytest.fail(f"Ceph RGW is installed but did not start: {exc}")
+    for attempt in range(2):  # a fresh cluster (folder, ports) for the second try
+        rgw = CephRGW(tmp_path_factory.mktemp("ceph"))
+        try:
+            rgw.start()
+            break
+        except Exception as exc:  # a broken install is reported, not hidden
+            rgw.stop()
+            if attempt == 1:
+                pytest.fail(f"Ceph RGW is installed but did not start: {exc}")
     yield rgw
     rgw.stop()
 
