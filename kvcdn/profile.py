@@ -1,0 +1,316 @@
+"""Codec profiles: what one model's KV codec knows before it sees a document.
+
+A profile is measured once per model (:mod:`kvcdn.calibrate`) and stored as
+one content-addressed object that every manifest names; nothing of it is
+shipped per chunk. It holds, for every stream (layer, K/V, head, channel):
+
+* the channel's calibrated mean, subtracted before quantisation;
+* per level, the quantiser step. Steps follow a Fisher-information weighting:
+  ``step = strength * sqrt(mean_fisher / fisher) * rms_sd``, so a channel whose
+  errors move the model's output more gets finer steps (reverse
+  water-filling with the model's own sensitivity as the metric). Every step
+  is rounded to 4 significant bits, which makes ``symbol * step`` exact in
+  float32 and so every decoder kernel bit-exact;
+* per level, the id of its static 12-bit rANS table. Tables are shared by
+  streams whose symbol spread (channel sd / step) falls in the same third of
+  an octave, and are built from the calibration symbols of exactly those
+  streams; that keeps the decode tables small enough to stay in cache.
+
+Serialised as safetensors (a strict, pickle-free tensor format) with a JSON
+``kvcdn`` entry in its metadata; :func:`parse_profile` validates every field
+and array before use. Specified in ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import FingerprintMismatch, FormatError
+from .kv import KVLayout
+
+PROFILE_FORMAT = "kvcdn-codec-profile"
+PROFILE_VERSION = 1
+MAX_PROFILE_BYTES = 256 << 20
+MAX_TABLES = 4096
+
+#: The ladder, best first. Each level is calibrated to the mean next-token KL
+#: divergence (against exact KV) given here, measured on the calibration texts.
+LADDER: dict[str, float] = {
+    "nearlossless": 0.0008,
+    "high": 0.002,
+    "default": 0.006,
+    "low": 0.015,
+    "lowest": 0.04,
+}
+
+
+def profile_key(fingerprint: str, sha256: str) -> str:
+    return f"profiles/{fingerprint[:16]}/{sha256}.safetensors"
+
+
+def profile_pointer_key(fingerprint: str) -> str:
+    """The store's pointer to the current profile of a model."""
+    return f"profiles/{fingerprint[:16]}/current.json"
+
+
+def round_to_4_bits(x: np.ndarray) -> np.ndarray:
+    """Round positive floats to 4 significant bits (m * 2**k, 8 <= m < 16)."""
+    x = np.asarray(x, dtype=np.float64)
+    mant, exp = np.frexp(x)  # x = mant * 2**exp, 0.5 <= mant < 1
+    return np.ldexp(np.round(mant * 16.0) / 16.0, exp).astype(np.float32)
+
+
+@dataclass
+class LevelSpec:
+    name: str
+    strength: float
+    step: np.ndarray  # float32 [L, 2, H, D]
+    table_id: np.ndarray  # uint16 [L, 2, H, D]
+    quality: dict[str, float] = field(default_factory=dict)  # measured on calibration texts
+
+
+@dataclass
+class CodecProfile:
+    model_fingerprint: str
+    layout: KVLayout
+    sinks: int  # the document's first tokens, kept exact (fp16)
+    mean: np.ndarray  # float32 [L, 2, H, D]
+    freqs: np.ndarray  # uint32 [n_tables, n_symbols], rows sum to 4096
+    table_lo: np.ndarray  # int32 [n_tables]: the signed value of symbol index 0
+    table_size: np.ndarray  # int32 [n_tables]: symbols in use (the rest have frequency 0)
+    levels: dict[str, LevelSpec]
+    calibration: dict[str, Any] = field(default_factory=dict)
+    _bytes: bytes | None = field(default=None, repr=False, compare=False)
+    _decode_tables: Any = field(default=None, repr=False, compare=False)
+    _per_level: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # ---- identity ----------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        if self._bytes is None:
+            self._bytes = _serialise(self)
+        return self._bytes
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    def check_model(self, fingerprint: str, what: str = "codec profile") -> None:
+        if fingerprint != self.model_fingerprint:
+            raise FingerprintMismatch(
+                f"{what} was calibrated for model {self.model_fingerprint[:12]}, "
+                f"not for {fingerprint[:12]}; a profile only fits the model it was measured on"
+            )
+
+    # ---- what the kernels need ---------------------------------------------
+    def decode_tables(self) -> np.ndarray:
+        """Packed rANS decode tables ``[n_tables, 4096]`` (built once)."""
+        if self._decode_tables is None:
+            from kvcdn.kernels.rans import build_decode_table
+
+            self._decode_tables = build_decode_table(self.freqs)
+        return self._decode_tables
+
+    def dequant(self, level: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(table_id, scale, offset), each ``[G, D]``: value = index * scale + offset."""
+        return self._level_arrays(level)[:3]
+
+    def quantiser(self, level: str) -> tuple[np.ndarray, ...]:
+        """(mean, step, lo, size, table_id), each ``[G, D]``, for the fused encoder."""
+        tid, scale, _, lo, size = self._level_arrays(level)
+        return self.mean.reshape(tid.shape), scale, lo, size, tid
+
+    def _level_arrays(self, level: str) -> tuple[np.ndarray, ...]:
+        cached = self._per_level.get(level)
+        if cached is None:
+            spec = self.levels[level]
+            G = self.layout.layers * 2 * self.layout.kv_heads
+            tid = np.ascontiguousarray(spec.table_id.reshape(G, -1).astype(np.int32))
+            scale = np.ascontiguousarray(spec.step.reshape(G, -1).astype(np.float32))
+            lo = self.table_lo[tid].astype(np.int32)
+            # lo * scale is exact (8-bit integer times a 4-significant-bit float).
+            offset = (lo.astype(np.float32) * scale + self.mean.reshape(G, -1)).astype(np.float32)
+            size = self.table_size[tid].astype(np.int32)
+            cached = self._per_level[level] = (tid, scale, offset, lo, size)
+        return cached
+
+    def quantise(self, level: str, x: np.ndarray) -> np.ndarray:
+        """KV ``[L, 2, H, T, D]`` (float32) -> symbol indices ``[G, T, D]`` (uint8)."""
+        spec = self.levels[level]
+        L, two, H, T, D = x.shape
+        mean = self.mean[:, :, :, None, :]
+        step = spec.step[:, :, :, None, :]
+        q = np.rint((x - mean) / step)
+        tid = spec.table_id.astype(np.int64)
+        lo = self.table_lo[tid][:, :, :, None, :]
+        hi = lo + self.table_size[tid][:, :, :, None, :] - 1
+        idx = np.clip(q, lo, hi) - lo
+        return idx.reshape(L * two * H, T, D).transpose(0, 1, 2).astype(np.uint8)
+
+
+# ---- serialisation ----------------------------------------------------------
+
+
+def _serialise(p: CodecProfile) -> bytes:
+    from safetensors.numpy import save
+
+    tensors: dict[str, np.ndarray] = {
+        "mean": p.mean.astype(np.float32),
+        "freqs": p.freqs.astype(np.uint16 if p.freqs.max() < 65536 else np.uint32),
+        "table_lo": p.table_lo.astype(np.int32),
+        "table_size": p.table_size.astype(np.int32),
+    }
+    for name, spec in p.levels.items():
+        tensors[f"levels.{name}.step"] = spec.step.astype(np.float32)
+        tensors[f"levels.{name}.table_id"] = spec.table_id.astype(np.uint16)
+    meta = {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "model_fingerprint": p.model_fingerprint,
+        "layout": p.layout.to_json(),
+        "sinks": p.sinks,
+        "levels": {
+            name: {"strength": spec.strength, "quality": spec.quality}
+            for name, spec in p.levels.items()
+        },
+        "calibration": p.calibration,
+    }
+    return save(tensors, metadata={"kvcdn": json.dumps(meta, sort_keys=True)})
+
+
+def parse_profile(data: bytes, *, name: str = "codec profile") -> CodecProfile:
+    """Validate and load a serialised profile; raises :class:`FormatError`."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    if len(data) > MAX_PROFILE_BYTES:
+        raise FormatError(f"{name} is {len(data)} bytes, more than a profile can be")
+    if len(data) < 8:
+        raise FormatError(f"{name} is truncated")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > len(data) - 8:
+        raise FormatError(f"{name}: header length {header_len} runs past the end")
+    try:
+        header = json.loads(bytes(data[8 : 8 + header_len]))
+        meta = json.loads(header["__metadata__"]["kvcdn"])
+        arrays = load(bytes(data))
+    except (ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise FormatError(f"{name} is not a kvcdn codec profile: {exc}") from None
+    bad = _Check(name)
+    if not isinstance(meta, dict) or meta.get("format") != PROFILE_FORMAT:
+        raise bad("it is not a kvcdn codec profile")
+    if meta.get("version") != PROFILE_VERSION:
+        raise bad(f"profile version {meta.get('version')!r} is not supported")
+    lay = bad.dict(meta.get("layout"), "layout")
+    layout = KVLayout(
+        layers=bad.int(lay.get("layers"), "layout.layers", 1, 4096),
+        kv_heads=bad.int(lay.get("kv_heads"), "layout.kv_heads", 1, 4096),
+        head_dim=bad.int(lay.get("head_dim"), "layout.head_dim", 1, 4096),
+        dtype=bad.str(lay.get("dtype"), "layout.dtype"),
+    )
+    stream_shape = (layout.layers, 2, layout.kv_heads, layout.head_dim)
+    mean = bad.array(arrays, "mean", np.float32, stream_shape)
+    freqs = arrays.get("freqs")
+    if freqs is None or freqs.ndim != 2 or freqs.dtype not in (np.uint16, np.uint32):
+        raise bad("freqs must be a 2-D unsigned array")
+    n_tables, n_sym = freqs.shape
+    if not 1 <= n_tables <= MAX_TABLES or not 1 <= n_sym <= 256:
+        raise bad(f"freqs has an impossible shape {freqs.shape}")
+    freqs = freqs.astype(np.uint32)
+    if np.any(freqs.sum(axis=1) != 4096):
+        raise bad("every rANS table must sum to 4096")
+    table_lo = bad.array(arrays, "table_lo", np.int32, (n_tables,))
+    table_size = bad.array(arrays, "table_size", np.int32, (n_tables,))
+    if np.any(table_size < 1) or np.any(table_size > n_sym) or np.any(np.abs(table_lo) > 4096):
+        raise bad("table ranges out of bounds")
+    used = np.arange(n_sym)[None, :] < table_size[:, None]
+    if np.any(freqs[used] == 0) or np.any(freqs[~used] != 0):
+        raise bad("a table gives zero frequency to a symbol in its range, or weight outside it")
+    levels: dict[str, LevelSpec] = {}
+    for lname, lmeta in bad.dict(meta.get("levels"), "levels").items():
+        if lname not in LADDER:
+            raise bad(f"unknown level {lname!r}")
+        lmeta = bad.dict(lmeta, f"levels.{lname}")
+        step = bad.array(arrays, f"levels.{lname}.step", np.float32, stream_shape)
+        if (
+            not np.all(np.isfinite(step))
+            or np.any(step <= 0)
+            or np.any(round_to_4_bits(step) != step)
+        ):
+            raise bad(f"levels.{lname}.step must be positive with 4 significant bits")
+        tid = bad.array(arrays, f"levels.{lname}.table_id", np.uint16, stream_shape)
+        if np.any(tid >= n_tables):
+            raise bad(f"levels.{lname}.table_id names a table that does not exist")
+        quality = bad.dict(lmeta.get("quality", {}), f"levels.{lname}.quality")
+        levels[lname] = LevelSpec(
+            name=lname,
+            strength=float(bad.num(lmeta.get("strength"), f"levels.{lname}.strength")),
+            step=step,
+            table_id=tid,
+            quality={
+                k: float(bad.num(v, f"levels.{lname}.quality.{k}")) for k, v in quality.items()
+            },
+        )
+    if not levels:
+        raise bad("it defines no levels")
+    if not np.all(np.isfinite(mean)):
+        raise bad("mean has non-finite values")
+    fingerprint = bad.str(meta.get("model_fingerprint"), "model_fingerprint")
+    sinks = bad.int(meta.get("sinks"), "sinks", 0, 4096)
+    profile = CodecProfile(
+        model_fingerprint=fingerprint,
+        layout=layout,
+        sinks=sinks,
+        mean=mean,
+        freqs=freqs,
+        table_lo=table_lo,
+        table_size=table_size,
+        levels=levels,
+        calibration=bad.dict(meta.get("calibration", {}), "calibration"),
+    )
+    profile._bytes = bytes(data)
+    return profile
+
+
+class _Check:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, what: str) -> FormatError:
+        return FormatError(f"{self.name}: {what}")
+
+    def dict(self, v: Any, where: str) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise self(f"{where} must be an object")
+        return v
+
+    def str(self, v: Any, where: str) -> str:
+        if not isinstance(v, str) or not v:
+            raise self(f"{where} must be a non-empty string")
+        return v
+
+    def int(self, v: Any, where: str, lo: int, hi: int) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise self(f"{where} must be an integer in [{lo}, {hi}]")
+        return v
+
+    def num(self, v: Any, where: str) -> float:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise self(f"{where} must be a finite number")
+        return float(v)
+
+    def array(self, arrays: dict, key: str, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+        a = arrays.get(key)
+        if a is None:
+            raise self(f"array {key} is missing")
+        if a.dtype != dtype or a.shape != shape:
+            raise self(
+                f"array {key} is {a.dtype}{list(a.shape)}, expected {np.dtype(dtype)}{list(shape)}"
+            )
+        return a
