@@ -105,9 +105,11 @@ def cli(verbose: int) -> None:
 @endpoint_option
 @click.option(
     "--levels",
-    default="fp16,int8",
+    default="nearlossless,high,default,low,lowest",
     show_default=True,
-    help="Quality levels to publish, comma-separated.",
+    help="Quality levels to publish, comma-separated: the calibrated ladder "
+    "(nearlossless, high, default, low, lowest) and/or fp16, int8. 'text' (recompute) "
+    "is always available.",
 )
 @click.option(
     "--chunk-tokens",
@@ -136,8 +138,12 @@ def publish(
     a half-published version; re-running finishes the job, and re-publishing
     an unchanged document changes nothing. A changed document becomes the
     next version and uploads only the chunks that changed.
+
+    The ladder levels need the model's codec profile: the first publish for a
+    model calibrates it (about two minutes for smollm2-135m on 2 CPUs) unless
+    the store or this machine already has one; see `kvcdn calibrate`.
     """
-    from kvcdn.codec import parse_levels
+    from kvcdn.codec import check_level_names
     from kvcdn.models import load_model
     from kvcdn.publish import publish as do_publish
     from kvcdn.publish import read_document
@@ -146,7 +152,7 @@ def publish(
         raise click.UsageError("--name works with one document only")
     for path in paths:  # bad input fails before the model spends seconds loading
         read_document(path)
-    parse_levels(levels)
+    check_level_names(levels)  # unknown level names fail here, before the model loads
     target = _open(store, endpoint_url)
     with err.status("loading model…"):
         loaded = load_model(model, device)
@@ -253,12 +259,19 @@ def inspect(ref: str, store: str | None, endpoint_url: str | None, as_json: bool
         f"KV layout: {layout['layers']} layers × {layout['kv_heads']} KV heads × "
         f"{layout['head_dim']} head dim ({layout['dtype']})"
     )
-    table = Table(title="levels")
-    for col in ("level", "codec", "bytes", "bits/element", "description"):
-        table.add_column(col, justify="right" if col in ("bytes", "bits/element") else "left")
+    table = Table(title="levels (quality: measured against exact KV on calibration texts)")
+    for col in ("level", "codec", "bytes", "bits/element", "KL", "PPL Δ", "top-1"):
+        table.add_column(col, justify="left" if col in ("level", "codec") else "right")
     for lv_name, lv in m.levels.items():
+        q = lv.quality
         table.add_row(
-            lv_name, lv.codec, _mb(lv.total_bytes), f"{lv.bits_per_element:.2f}", lv.description
+            lv_name,
+            lv.codec,
+            _mb(lv.total_bytes) if lv.total_bytes else "-",
+            f"{lv.bits_per_element:.2f}",
+            f"{q['kl']:.4f}" if "kl" in q else "-",
+            f"{q['ppl_delta_pct']:+.2f}%" if "ppl_delta_pct" in q else "-",
+            f"{q['top1_agree']:.1%}" if "top1_agree" in q else "-",
         )
     out.print(table)
     chunks = Table(title="chunks")
@@ -272,6 +285,76 @@ def inspect(ref: str, store: str | None, endpoint_url: str | None, as_json: bool
             *(_mb(c.objects[lv].bytes) if lv in c.objects else "-" for lv in m.levels),
         )
     out.print(chunks)
+
+
+# ---- calibrate ----------------------------------------------------------------
+
+
+@cli.command()
+@model_option
+@click.option(
+    "--docs",
+    "docs",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Calibration text (repeatable; each needs about 2,300 tokens or more). "
+    "[default: the bundled man pages]",
+)
+@store_option
+@endpoint_option
+@device_option
+@json_option
+def calibrate(
+    model: str | None,
+    docs: tuple[Path, ...],
+    store: str | None,
+    endpoint_url: str | None,
+    device: str | None,
+    as_json: bool,
+) -> None:
+    """Measure a model's KV and store its codec profile (the ladder's quantisers and tables).
+
+    Runs the texts through the model, measures how much each KV channel moves
+    the next-token distribution, searches each level's quantiser strength to
+    meet its quality target, builds the static rANS tables, then encodes and
+    decodes the texts for real and records each level's bits per element and
+    quality. The profile is stored once in the store, content-addressed, and
+    every later publish for the model uses it. Publish runs this by itself
+    when a model has none.
+    """
+    from kvcdn.calibrate import calibrate as do_calibrate
+    from kvcdn.models import load_model
+    from kvcdn.profiles import publish_profile
+    from kvcdn.publish import read_document
+
+    texts = {p.stem: read_document(p) for p in docs} or None
+    target = _open(store, endpoint_url)
+    with err.status("loading model…"):
+        loaded = load_model(model, device)
+    with _progress(not as_json) as progress:
+        profile = do_calibrate(
+            loaded, texts, progress=_progress_callback(progress, f"calibrate {loaded.name}")
+        )
+    ref = publish_profile(target, profile)
+    levels = {name: spec.quality for name, spec in profile.levels.items()}
+    if as_json:
+        _emit_json({"profile": ref.__dict__, "levels": levels, "calibration": profile.calibration})
+        return
+    out.print(f"[green]✓[/] codec profile for {loaded.name} stored as {escape(ref.key)}")
+    table = Table(
+        title=f"ladder on the calibration texts ({', '.join(profile.calibration['texts'])})"
+    )
+    for col in ("level", "bits/element", "KL", "PPL Δ", "top-1"):
+        table.add_column(col, justify="left" if col == "level" else "right")
+    for name, q in levels.items():
+        table.add_row(
+            name,
+            f"{q['bits_per_element']:.2f}",
+            f"{q['kl']:.4f}",
+            f"{q['ppl_delta_pct']:+.2f}%",
+            f"{q['top1_agree']:.1%}",
+        )
+    out.print(table)
 
 
 # ---- ask / demo -----------------------------------------------------------------

@@ -10,13 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import zstandard
 
 from .container import ChunkHeader, pack, unpack
 from .errors import FormatError, InputError
+from .profile import LADDER, CodecProfile
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +41,8 @@ class Level:
         return {"codec": self.codec, "params": self.params, "description": self.description}
 
 
-LEVELS: dict[str, Level] = {
+#: Levels that need no codec profile.
+FIXED_LEVELS: dict[str, Level] = {
     "fp16": Level("fp16", "fp16", {}, "16-bit floats, the lossless reference"),
     "int8": Level(
         "int8",
@@ -47,36 +51,116 @@ LEVELS: dict[str, Level] = {
         "8-bit per-channel quantisation, zstd-compressed",
     ),
 }
-DEFAULT_LEVELS = ("fp16", "int8")
+RANS_CODEC = "kvcdn-rans-v1"
+#: ``text`` is not encoded: the manifest's tokens are recomputed on the device.
+TEXT_LEVEL = "text"
+ALL_LEVEL_NAMES = (*LADDER, *FIXED_LEVELS, TEXT_LEVEL)
+DEFAULT_LEVELS = tuple(LADDER)
 
 
-def parse_levels(spec: str | list[str] | tuple[str, ...]) -> list[Level]:
-    """``"fp16,int8"`` -> the levels, in the order given, without repeats."""
+def ladder_level(name: str, profile: CodecProfile) -> Level:
+    quality = profile.levels[name].quality
+    return Level(
+        name,
+        RANS_CODEC,
+        {"profile": profile.sha256, "level": name},
+        f"calibrated to KL {LADDER[name]:g} (measured {quality.get('kl', float('nan')):.4f})",
+    )
+
+
+def parse_levels(
+    spec: str | list[str] | tuple[str, ...], profile: CodecProfile | None = None
+) -> list[Level]:
+    """``"default,low"`` -> the levels, in the order given, without repeats.
+
+    Ladder levels need the model's codec ``profile``; ``text`` is implied by
+    every manifest and is not a stored level.
+    """
+    levels = []
+    for n in check_level_names(spec):
+        if n in FIXED_LEVELS:
+            levels.append(FIXED_LEVELS[n])
+        elif profile is None:
+            raise InputError(f"level {n} needs the model's codec profile")
+        elif n not in profile.levels:
+            raise InputError(f"the codec profile has no level {n}")
+        else:
+            levels.append(ladder_level(n, profile))
+    return levels
+
+
+def check_level_names(spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The stored level names in ``spec`` (no repeats, no ``text``); unknown names raise."""
     names = spec.split(",") if isinstance(spec, str) else list(spec)
-    names = [n.strip().lower() for n in names if n.strip()]
+    names = [n.strip().lower() for n in names if n.strip() and n.strip().lower() != TEXT_LEVEL]
     if not names:
         raise InputError("no levels given")
-    unknown = [n for n in names if n not in LEVELS]
+    unknown = [n for n in names if n not in LADDER and n not in FIXED_LEVELS]
     if unknown:
-        raise InputError(f"unknown level(s) {', '.join(unknown)}; known: {', '.join(LEVELS)}")
-    return [LEVELS[n] for n in dict.fromkeys(names)]
+        known = ", ".join(ALL_LEVEL_NAMES)
+        raise InputError(f"unknown level(s) {', '.join(unknown)}; known: {known}")
+    return list(dict.fromkeys(names))
 
 
-def encode_chunk(level: Level, kv: torch.Tensor, chunk_hash: str) -> bytes:
-    """One chunk's KV ``[L, 2, H, T, D]`` -> a complete container object."""
+def needs_profile(spec: str | list[str] | tuple[str, ...]) -> bool:
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    return any(n.strip().lower() in LADDER for n in names)
+
+
+def encode_chunk(
+    level: Level,
+    kv: torch.Tensor,
+    chunk_hash: str,
+    *,
+    profile: CodecProfile | None = None,
+    start: int = 0,
+) -> bytes:
+    """One chunk's KV ``[L, 2, H, T, D]`` -> a complete container object.
+
+    ``start`` is the chunk's first token position in its document (the first
+    ``profile.sinks`` positions are kept exact).
+    """
     header = ChunkHeader(level.codec, level.name, level.params, tuple(kv.shape), chunk_hash)
-    return pack(header, _ENCODERS[level.codec](kv.detach().cpu(), level.params))
+    kv = kv.detach().cpu()
+    if level.codec == RANS_CODEC:
+        if profile is None:
+            raise InputError(f"level {level.name} needs the model's codec profile")
+        return pack(header, _encode_rans(kv, level.params, profile, start))
+    return pack(header, _ENCODERS[level.codec](kv, level.params))
 
 
 def decode_chunk(
-    data: bytes, *, name: str = "chunk object", device: str = "cpu"
+    data: bytes,
+    *,
+    name: str = "chunk object",
+    device: str = "cpu",
+    profile: CodecProfile | None = None,
+    out: torch.Tensor | None = None,
+    verified: bool = False,
 ) -> tuple[ChunkHeader, torch.Tensor]:
-    """A container object -> (its header, fp16 KV ``[L, 2, H, T, D]`` on ``device``)."""
-    header, payload = unpack(data, name=name)
+    """A container object -> (its header, KV ``[L, 2, H, T, D]`` on ``device``).
+
+    With ``out`` (a tensor of the chunk's shape, possibly a slice of a larger
+    cache tensor) the KV is written there and ``out`` is returned; otherwise
+    a new tensor is returned (fp16 for the fixed levels, float32 on CPU for
+    ladder levels). ``verified=True`` says the caller has checked ``data``
+    against a trusted sha256 (the manifest's), so the trailer is not hashed again.
+    """
+    header, payload = unpack(data, name=name, verify_digest=not verified)
+    if header.codec == RANS_CODEC:
+        if profile is None:
+            raise FormatError(f"{name} needs a codec profile to decode, and none was given")
+        return header, _decode_rans(header, payload, name, device, profile, out)
     decoder = _DECODERS.get(header.codec)
     if decoder is None:
         raise FormatError(f"{name} uses codec '{header.codec}', which this kvcdn cannot decode")
-    return header, decoder(header, payload, name, device)
+    kv = decoder(header, payload, name, device)
+    if out is not None:
+        if tuple(out.shape) != tuple(kv.shape):
+            raise FormatError(f"{name} has shape {list(kv.shape)}, not {list(out.shape)}")
+        out.copy_(kv)
+        return header, out
+    return header, kv
 
 
 # ---- codecs -------------------------------------------------------------------
@@ -130,6 +214,134 @@ def _decode_int8(header: ChunkHeader, payload: memoryview, name: str, device: st
     if not torch.isfinite(scales).all():
         raise FormatError(f"{name}: int8 scales are not finite")
     return dequantize_int8_per_channel(q.view(header.shape).to(device), scales.to(device))
+
+
+# ---- the rANS ladder codec ------------------------------------------------------
+#
+# Payload (little-endian), specified in docs/format.md:
+#   u32 G, u32 T, u32 D, u32 S     groups (layers*2*heads), tokens, head dim, exact tokens
+#   u32 word_start[G + 1]          group g's words are words[word_start[g]:word_start[g+1]]
+#   u32 states[G * D]              initial decoder state of every stream
+#   f16 sinks[G * S * D]           the first S tokens, exact
+#   u16 words[word_start[G]]       the interleaved rANS words of all groups
+
+_RANS_PREAMBLE = struct.Struct("<IIII")
+
+
+def _encode_rans(
+    kv: torch.Tensor, params: dict[str, Any], profile: CodecProfile, start: int
+) -> bytes:
+    from kvcdn.kernels import rans_numba
+
+    level = params["level"]
+    layers, two, heads, tokens, dim = kv.shape
+    if (layers, heads, dim) != (
+        profile.layout.layers,
+        profile.layout.kv_heads,
+        profile.layout.head_dim,
+    ):
+        raise InputError("the KV does not have the shape the codec profile was calibrated for")
+    groups = layers * two * heads
+    sinks = max(0, min(profile.sinks - start, tokens))
+    x = kv.float().numpy().reshape(groups, tokens, dim)
+    states, words, word_start = rans_numba.quantise_encode(
+        x[:, sinks:], *profile.quantiser(level), profile.freqs
+    )
+    sink = x[:, :sinks].astype(np.float16)
+    return b"".join(
+        (
+            _RANS_PREAMBLE.pack(groups, tokens, dim, sinks),
+            word_start.astype("<u4").tobytes(),
+            states.astype("<u4").tobytes(),
+            sink.tobytes(),
+            words.astype("<u2").tobytes(),
+        )
+    )
+
+
+def _decode_rans(
+    header: ChunkHeader,
+    payload: memoryview,
+    name: str,
+    device: str,
+    profile: CodecProfile,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    import torch
+
+    from kvcdn.kernels.rans import RansError
+
+    level = header.params.get("level")
+    if header.params.get("profile") != profile.sha256:
+        raise FormatError(f"{name} was encoded with another codec profile than the one given")
+    if level not in profile.levels or header.level != level:
+        raise FormatError(f"{name}: the codec profile has no level {level!r}")
+    layers, two, heads, tokens, dim = header.shape
+    lay = profile.layout
+    if (layers, two, heads, dim) != (lay.layers, 2, lay.kv_heads, lay.head_dim):
+        raise FormatError(f"{name}: shape {list(header.shape)} does not fit the codec profile")
+    groups = layers * two * heads
+    if len(payload) < _RANS_PREAMBLE.size:
+        raise FormatError(f"{name}: payload is truncated")
+    g, t, d, s = _RANS_PREAMBLE.unpack_from(payload, 0)
+    if (g, t, d) != (groups, tokens, dim) or s > tokens:
+        raise FormatError(f"{name}: payload dimensions {g, t, d, s} contradict the header")
+    off = _RANS_PREAMBLE.size
+    if len(payload) < off + 4 * (groups + 1):
+        raise FormatError(f"{name}: payload is truncated before its stream offset table ends")
+    word_start = np.frombuffer(payload, dtype="<u4", count=groups + 1, offset=off).astype(np.int64)
+    off += 4 * (groups + 1)
+    n_states = groups * dim
+    n_words = int(word_start[-1])
+    expected = off + 4 * n_states + 2 * groups * s * dim + 2 * n_words
+    if expected != len(payload):
+        raise FormatError(f"{name}: payload is {len(payload)} bytes, its tables say {expected}")
+    if word_start[0] != 0 or np.any(np.diff(word_start) < 0):
+        raise FormatError(f"{name}: stream offset table is not monotonic from 0")
+    if np.any(np.diff(word_start) > (tokens - s) * dim):
+        raise FormatError(f"{name}: a stream is longer than its symbols allow")
+    states = np.frombuffer(payload, dtype="<u4", count=n_states, offset=off).reshape(groups, dim)
+    off += 4 * n_states
+    sink = np.frombuffer(payload, dtype="<f2", count=groups * s * dim, offset=off)
+    off += 2 * groups * s * dim
+    words = np.frombuffer(payload, dtype="<u2", count=n_words, offset=off)
+    if np.any(states < (1 << 16)):
+        raise FormatError(f"{name}: a stream state is out of range")
+
+    if out is None:
+        out = torch.empty(header.shape, dtype=torch.float32, device=device)
+    elif tuple(out.shape) != tuple(header.shape):
+        raise FormatError(f"{name} has shape {list(header.shape)}, not {list(out.shape)}")
+    flat = out.view(groups, tokens, dim)
+    if s:
+        flat[:, :s] = torch.from_numpy(sink.reshape(groups, s, dim).copy()).to(flat)
+    tid, scale, offset = profile.dequant(level)
+    body = flat[:, s:]
+    try:
+        if out.device.type == "cuda":
+            from kvcdn.kernels import rans_triton
+
+            args = rans_triton.to_device(
+                words, word_start, states, profile.decode_tables(), tid, scale, offset, out.device
+            )
+            rans_triton.decode(*args, body)
+        elif out.dtype == torch.float32:
+            from kvcdn.kernels import rans_numba
+
+            rans_numba.decode(
+                words, word_start, states, profile.decode_tables(), tid, scale, offset, body.numpy()
+            )
+        else:
+            from kvcdn.kernels import rans_numba
+
+            tmp = np.empty((groups, tokens - s, dim), dtype=np.float32)
+            rans_numba.decode(
+                words, word_start, states, profile.decode_tables(), tid, scale, offset, tmp
+            )
+            body.copy_(torch.from_numpy(tmp))
+    except RansError as exc:
+        raise FormatError(f"{name}: {exc}") from None
+    return out
 
 
 _ENCODERS = {"fp16": _encode_fp16, "int8-channel-zstd": _encode_int8}

@@ -65,8 +65,15 @@ def pack(header: ChunkHeader, payload: bytes) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def unpack(data: bytes, *, name: str = "chunk object") -> tuple[ChunkHeader, memoryview]:
-    """Parse and verify a chunk object; ``name`` goes into error messages."""
+def unpack(
+    data: bytes, *, name: str = "chunk object", verify_digest: bool = True
+) -> tuple[ChunkHeader, memoryview]:
+    """Parse and verify a chunk object; ``name`` goes into error messages.
+
+    ``verify_digest=False`` skips only the trailer's sha256, for callers that
+    have just checked the whole object against a digest they trust (the
+    manifest's); every length and field is still validated.
+    """
     view = memoryview(data)
     if len(view) < _PREAMBLE.size + _DIGEST_BYTES:
         raise FormatError(f"{name} is truncated ({len(view)} bytes)")
@@ -89,7 +96,7 @@ def unpack(data: bytes, *, name: str = "chunk object") -> tuple[ChunkHeader, mem
             "(truncated or padded)"
         )
     body_end = len(view) - _DIGEST_BYTES
-    if hashlib.sha256(view[:body_end]).digest() != bytes(view[body_end:]):
+    if verify_digest and hashlib.sha256(view[:body_end]).digest() != bytes(view[body_end:]):
         raise IntegrityError(f"{name} fails its checksum (corrupted)")
     head_start = _PREAMBLE.size
     try:

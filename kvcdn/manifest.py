@@ -9,13 +9,14 @@ SDK and edge agree on them.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import FormatError, InputError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_MANIFEST_BYTES = 64 << 20
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
@@ -88,6 +89,8 @@ class LevelInfo:
     total_bytes: int
     bits_per_element: float
     description: str = ""
+    #: Measured quality against exact KV (kl, ppl_delta_pct, top1_agree; calibration texts).
+    quality: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Manifest:
     kv_layout: dict[str, Any]
     levels: dict[str, LevelInfo]
     chunks: list[ChunkEntry] = field(default_factory=list)
+    codec_profile: ObjectRef | None = None  # needed by ladder levels
 
     @property
     def token_ids(self) -> list[int]:
@@ -125,6 +129,15 @@ class Manifest:
             "token_count": self.token_count,
             "chunk_tokens": self.chunk_tokens,
             "kv_layout": self.kv_layout,
+            "codec_profile": (
+                None
+                if self.codec_profile is None
+                else {
+                    "key": self.codec_profile.key,
+                    "bytes": self.codec_profile.bytes,
+                    "sha256": self.codec_profile.sha256,
+                }
+            ),
             "levels": {
                 name: {
                     "id": lv.id,
@@ -133,6 +146,7 @@ class Manifest:
                     "description": lv.description,
                     "total_bytes": lv.total_bytes,
                     "bits_per_element": lv.bits_per_element,
+                    "quality": lv.quality,
                 }
                 for name, lv in self.levels.items()
             },
@@ -188,6 +202,10 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
             total_bytes=v.int(lv.get("total_bytes"), f"levels.{lv_name}.total_bytes", minimum=0),
             bits_per_element=v.num(lv.get("bits_per_element"), f"levels.{lv_name}.bits"),
             description=str(lv.get("description", "")),
+            quality={
+                k: v.real(q, f"levels.{lv_name}.quality.{k}")
+                for k, q in v.dict(lv.get("quality", {}), f"levels.{lv_name}.quality").items()
+            },
         )
     chunks: list[ChunkEntry] = []
     expected_start = 0
@@ -228,6 +246,14 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
                 objects=objects,
             )
         )
+    profile = None
+    if raw.get("codec_profile") is not None:
+        p = v.dict(raw.get("codec_profile"), "codec_profile")
+        profile = ObjectRef(
+            key=v.str(p.get("key"), "codec_profile.key"),
+            bytes=v.int(p.get("bytes"), "codec_profile.bytes", minimum=1),
+            sha256=v.hex64(p.get("sha256"), "codec_profile.sha256"),
+        )
     token_count = v.int(raw.get("token_count"), "token_count", minimum=1)
     if token_count != expected_start:
         raise FormatError(f"{name}: token_count {token_count} does not match its chunks")
@@ -245,6 +271,7 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
         kv_layout=layout,
         levels=levels,
         chunks=chunks,
+        codec_profile=profile,
     )
 
 
@@ -275,6 +302,11 @@ class _Validator:
     def num(self, value: Any, where: str) -> float:
         if type(value) not in (int, float) or value < 0:
             raise self._fail(where, "a non-negative number")
+        return float(value)
+
+    def real(self, value: Any, where: str) -> float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise self._fail(where, "a finite number")
         return float(value)
 
     def doc_name(self, value: Any, where: str) -> str:

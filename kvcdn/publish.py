@@ -20,7 +20,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import catalog
-from .codec import DEFAULT_LEVELS, Level, encode_chunk, parse_levels
+from .codec import (
+    DEFAULT_LEVELS,
+    TEXT_LEVEL,
+    Level,
+    check_level_names,
+    encode_chunk,
+    needs_profile,
+    parse_levels,
+)
 from .container import unpack
 from .errors import ConcurrentPublish, FormatError, InputError
 from .kv import DEFAULT_CHUNK_TOKENS, split_chunks
@@ -37,11 +45,13 @@ from .manifest import (
     source_index_key,
 )
 from .models import LoadedModel, load_model
+from .profile import CodecProfile
 from .store import Store, open_store
 
 log = logging.getLogger(__name__)
 
-#: progress(stage, done, total): stages are "prefill", "encode" and "upload".
+#: progress(stage, done, total): stages are "prefill", "encode" and "upload", and
+#: "calibrate:<step>" when the model has no codec profile yet.
 ProgressFn = Callable[[str, int, int], None]
 UPLOAD_CONCURRENCY = 8
 
@@ -122,10 +132,18 @@ def publish(
     check_name(name)
     if chunk_tokens < 16 or chunk_tokens > 65536:
         raise InputError(f"chunk size {chunk_tokens} is out of range (16..65536 tokens)")
-    chosen = parse_levels(levels)
+    check_level_names(levels)  # spelling mistakes fail before the model loads
     store = store if isinstance(store, Store) else open_store(store)
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device)
     progress = progress or (lambda stage, done, total: None)
+    profile = profile_ref = None
+    if needs_profile(levels):
+        from .profiles import ensure_profile
+
+        profile, profile_ref = ensure_profile(
+            store, loaded, lambda stage, done, total: progress(f"calibrate:{stage}", done, total)
+        )
+    chosen = parse_levels(levels, profile)
     on_object = on_object or (lambda key: None)
     seconds: dict[str, float] = {}
 
@@ -143,7 +161,7 @@ def publish(
             token_count=previous.token_count,
             chunks=len(previous.chunks),
             reused_objects=sum(len(c.objects) for c in previous.chunks),
-            level_bytes={n: lv.total_bytes for n, lv in previous.levels.items()},
+            level_bytes={n: lv.total_bytes for n, lv in previous.levels.items() if n != TEXT_LEVEL},
             seconds={"total": time.perf_counter() - started},
         )
 
@@ -194,7 +212,13 @@ def publish(
                 index, level, _ = item
                 chunk = chunks[index]
                 te = time.perf_counter()
-                data = encode_chunk(level, kv[:, :, :, chunk.start : chunk.end], chunk.hash)
+                data = encode_chunk(
+                    level,
+                    kv[:, :, :, chunk.start : chunk.end],
+                    chunk.hash,
+                    profile=profile,
+                    start=chunk.start,
+                )
                 t_encode += time.perf_counter() - te
                 progress("encode", n + 1, len(missing))
                 pending.append((item, pool.submit(store_one, item, data)))
@@ -217,7 +241,17 @@ def publish(
             total_bytes=total,
             bits_per_element=round(total * 8 / layout.elements(len(ids)), 4),
             description=level.description,
+            quality=_level_quality(level, profile),
         )
+    level_infos[TEXT_LEVEL] = LevelInfo(
+        id=TEXT_LEVEL,
+        codec="recompute",
+        params={},
+        total_bytes=0,
+        bits_per_element=0.0,
+        description="recompute the chunk from the manifest's tokens on the device",
+        quality={"kl": 0.0, "ppl_delta_pct": 0.0, "top1_agree": 1.0},
+    )
     version = (latest or 0) + 1
     manifest = Manifest(
         name=name,
@@ -232,6 +266,7 @@ def publish(
         chunk_tokens=chunk_tokens,
         kv_layout=layout.to_json(),
         levels=level_infos,
+        codec_profile=profile_ref,
         chunks=[
             ChunkEntry(
                 index=c.index,
@@ -266,9 +301,17 @@ def publish(
         uploaded_objects=len(missing),
         reused_objects=len(chunks) * len(chosen) - len(missing),
         uploaded_bytes=uploaded_bytes,
-        level_bytes={n: lv.total_bytes for n, lv in level_infos.items()},
+        level_bytes={n: lv.total_bytes for n, lv in level_infos.items() if n != TEXT_LEVEL},
         seconds=seconds,
     )
+
+
+def _level_quality(level: Level, profile: CodecProfile | None) -> dict[str, float]:
+    if level.name == "fp16":
+        return {"kl": 0.0, "ppl_delta_pct": 0.0, "top1_agree": 1.0}
+    if profile is not None and level.name in profile.levels:
+        return dict(profile.levels[level.name].quality)
+    return {}
 
 
 def _same_publication(
@@ -278,7 +321,7 @@ def _same_publication(
         previous.source_sha256 == src_sha
         and previous.model_fingerprint == fingerprint
         and previous.chunk_tokens == chunk_tokens
-        and [lv.name for lv in levels] == list(previous.levels)
+        and [lv.name for lv in levels] == [n for n in previous.levels if n != TEXT_LEVEL]
         and all(previous.levels[lv.name].id == lv.id for lv in levels)
     )
 

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcdn import catalog
-from kvcdn.codec import decode_chunk
+from kvcdn.codec import RANS_CODEC, TEXT_LEVEL, decode_chunk
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, IntegrityError, NotFound
 from kvcdn.kv import split_chunks
 from kvcdn.manifest import NAME_PATTERN, Manifest
 from kvcdn.models import LoadedModel, crop_cache, load_model
+from kvcdn.profiles import load_profile
 from kvcdn.publish import document_text, read_document, source_digest
 from kvcdn.store import Store, open_store
 
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEVEL_PREFERENCE = ("int8", "fp16")
+#: Without a level, the calibrated default, else the closest level above it.
+DEFAULT_LEVEL_PREFERENCE = ("default", "high", "nearlossless", "int8", "fp16", "low", "lowest")
 _REF = re.compile(rf"^{NAME_PATTERN}(@(\d+|latest))?$")
 
 
@@ -166,6 +168,23 @@ def _choose_level(manifest: Manifest, level: str | None) -> str:
     return next(iter(manifest.levels))
 
 
+def _recompute(
+    manifest: Manifest, loaded: LoadedModel, store: Store, seconds: dict[str, float]
+) -> Context:
+    """The ``text`` level: prefill the manifest's tokens on the device."""
+    t = time.perf_counter()
+    cache = loaded.cache_from_kv(loaded.prefill(manifest.token_ids))
+    seconds["recompute"] = time.perf_counter() - t
+    plan = LoadPlan(
+        store=store.url,
+        level=TEXT_LEVEL,
+        chunk_levels=[TEXT_LEVEL] * len(manifest.chunks),
+        bytes=0,
+        seconds=seconds,
+    )
+    return Context(manifest, loaded, cache, plan)
+
+
 def _assemble(
     manifest: Manifest, loaded: LoadedModel, store: Store, level: str, seconds: dict[str, float]
 ) -> Context:
@@ -178,6 +197,8 @@ def _assemble(
         raise FormatError(
             f"manifest of {manifest.name}@{manifest.version}: chunk hashes do not match its tokens"
         )
+    if level == TEXT_LEVEL:
+        return _recompute(manifest, loaded, store, seconds)
     refs = [chunk.objects.get(level) for chunk in manifest.chunks]
     if any(ref is None for ref in refs):
         raise FormatError(f"{manifest.name}@{manifest.version} lacks level {level} for a chunk")
@@ -187,8 +208,15 @@ def _assemble(
     seconds["fetch"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    profile = None
+    if manifest.codec_profile is not None and manifest.levels[level].codec == RANS_CODEC:
+        profile = load_profile(store, manifest.codec_profile)
+        profile.check_model(loaded.fingerprint, f"the codec profile of {manifest.name}")
     layout = manifest.kv_layout
-    parts = []
+    shape = (layout["layers"], 2, layout["kv_heads"], manifest.token_count, layout["head_dim"])
+    # Decode every chunk straight into its slice of one cache-sized tensor.
+    dtype = torch.float32 if loaded.device == "cpu" else next(loaded.model.parameters()).dtype
+    kv = torch.empty(shape, dtype=dtype, device=loaded.device)
     for chunk, ref in zip(manifest.chunks, refs, strict=True):
         assert ref is not None
         data = blobs[ref.key]
@@ -197,18 +225,16 @@ def _assemble(
                 f"object {ref.key} does not match its manifest checksum (corrupted in the store "
                 "or in transit)"
             )
-        header, kv = decode_chunk(data, name=f"object {ref.key}", device=loaded.device)
-        shape = (
-            layout["layers"],
-            2,
-            layout["kv_heads"],
-            chunk.end - chunk.start,
-            layout["head_dim"],
+        header, _ = decode_chunk(
+            data,
+            name=f"object {ref.key}",
+            device=loaded.device,
+            profile=profile,
+            out=kv[:, :, :, chunk.start : chunk.end],
+            verified=True,  # just checked against the manifest's sha256
         )
-        if header.chunk_hash != chunk.hash or tuple(header.shape) != shape:
+        if header.chunk_hash != chunk.hash:
             raise FormatError(f"object {ref.key} holds another chunk than its manifest says")
-        parts.append(kv)
-    kv = torch.cat(parts, dim=3)
     seconds["decode"] = time.perf_counter() - t
 
     t = time.perf_counter()

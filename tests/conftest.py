@@ -17,6 +17,8 @@ SED_MANUAL = REPO / "cli" / "data" / "sed-manual.txt"  # `man sed`, a real docum
 def _isolated_home(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep tests away from the user's store and AWS profile."""
     os.environ["KVCDN_STORE"] = str(tmp_path_factory.mktemp("default-store"))
+    # A fresh profile cache: the suite calibrates the embedded model itself, once.
+    os.environ["KVCDN_PROFILE_CACHE"] = str(tmp_path_factory.mktemp("profiles"))
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "kvcdn-test")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "kvcdn-test-secret")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -32,6 +34,21 @@ def model():
 
 
 @pytest.fixture(scope="session")
+def profile(_isolated_home, model):
+    """The embedded model's codec profile, calibrated for real on the bundled texts.
+
+    ``ensure_profile`` finds none in the fresh cache, so this runs the whole
+    calibration once per session; later publishes (in this process and in
+    subprocesses, which share the cache folder) reuse it.
+    """
+    from kvcdn.profiles import ensure_profile
+    from kvcdn.store import open_store
+
+    found, _ = ensure_profile(open_store("memory://conftest-profile"), model)
+    return found
+
+
+@pytest.fixture(scope="session")
 def sed_text() -> str:
     return SED_MANUAL.read_text()
 
@@ -40,6 +57,16 @@ def sed_text() -> str:
 def short_text(sed_text: str) -> str:
     """The first ~700 tokens of the sed manual: a real document that prefills fast."""
     return sed_text[:3000]
+
+
+_PUBLISHING_MODULES = {"test_pipeline", "test_crash", "test_cli", "test_s3"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules that publish the ladder (some in subprocesses) calibrate first, once."""
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in _PUBLISHING_MODULES:
+            item.fixturenames.append("profile")
 
 
 def free_port() -> int:

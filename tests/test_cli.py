@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvcdn.cli.main import cli
+from kvcdn.profile import LADDER
 
 COMMANDS = ["publish", "ls", "inspect", "ask", "demo"]
 
@@ -39,7 +40,8 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
     doc = tmp_path / "sed intro.md"
     doc.write_text(short_text)
     runner = CliRunner()
-    out = runner.invoke(cli, ["publish", str(doc), "--store", store, "--json"])
+    levels = ",".join(["fp16", *LADDER])
+    out = runner.invoke(cli, ["publish", str(doc), "--store", store, "--levels", levels, "--json"])
     assert out.exit_code == 0, out.output
     published = json.loads(out.stdout)[0]
     assert published["name"] == "sed-intro" and published["version"] == 1
@@ -50,10 +52,11 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
     manifest = json.loads(
         runner.invoke(cli, ["inspect", "sed-intro@1", "--store", store, "--json"]).stdout
     )
-    assert set(manifest["levels"]) == {"fp16", "int8"}
+    assert set(manifest["levels"]) == {"fp16", *LADDER, "text"}
+    assert manifest["codec_profile"]["key"].startswith("profiles/")
     assert manifest["token_count"] == published["token_count"]
     table = runner.invoke(cli, ["inspect", "sed-intro", "--store", store])
-    assert "bits/element" in table.output and "int8" in table.output
+    assert table.exit_code == 0 and "default" in table.output and "KL" in table.output
 
     asked = runner.invoke(
         cli,
@@ -132,7 +135,7 @@ def test_cli_refuses_kv_of_a_corrupted_object(model, short_text, tmp_path):
     doc = tmp_path / "d.md"
     doc.write_text(short_text)
     assert runner.invoke(cli, ["publish", str(doc), "--store", str(store)]).exit_code == 0
-    victim = sorted(store.glob("objects/**/int8-*.kvc"))[0]
+    victim = sorted(store.glob("objects/**/default-*.kvc"))[0]
     victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
     result = runner.invoke(cli, ["ask", "d", "What is sed?", "--store", str(store)])
     assert result.exit_code == 5

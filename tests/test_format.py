@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcdn.codec import LEVELS, decode_chunk, encode_chunk
+from kvcdn.codec import FIXED_LEVELS as LEVELS
+from kvcdn.codec import decode_chunk, encode_chunk
 from kvcdn.container import MAGIC, ChunkHeader, pack, unpack
 from kvcdn.errors import FormatError, IntegrityError
 from kvcdn.kv import split_chunks
@@ -176,8 +177,10 @@ def _manifest_json() -> dict:
                 "params": {},
                 "total_bytes": 9,
                 "bits_per_element": 16.0,
+                "quality": {"kl": 0.001, "ppl_delta_pct": -0.4, "top1_agree": 0.97},
             }
         },
+        "codec_profile": {"key": "profiles/x/y.safetensors", "bytes": 10, "sha256": HASH},
         "chunks": [
             {
                 "index": 0,
@@ -206,8 +209,8 @@ def test_manifest_round_trip() -> None:
 
 
 def test_unknown_schema_version_is_refused() -> None:
-    raw = _manifest_json() | {"schema_version": 2}
-    with pytest.raises(FormatError, match="schema_version 2"):
+    raw = _manifest_json() | {"schema_version": 99}
+    with pytest.raises(FormatError, match="schema_version 99"):
         parse_manifest(json.dumps(raw).encode())
 
 

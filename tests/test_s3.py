@@ -36,7 +36,7 @@ def test_publish_and_load_over_s3(s3, model, short_text, monkeypatch):
     local = sdk.load_context(short_text, store=url, model=model, level="fp16")
     assert ctx.token_ids == local.token_ids
     assert ctx.plan.bytes == first.level_bytes["fp16"]
-    again = publish(text=short_text, name="sed-intro", model=model, store=url)
+    again = publish(text=short_text, name="sed-intro", model=model, store=url, levels="fp16,int8")
     assert again.unchanged and again.uploaded_objects == 0
 
 
