@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 QUESTION = "What is sed?"
 
 
+LEVELS = ("fp16", "int8", "default", "lowest")  # the lossless reference, int8, two ladder levels
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,7 +79,7 @@ def main() -> int:
         piece = model.tokenizer.decode(body_ids[: max(1, n_tokens - frame)])
         name = f"bench-{n_tokens}"
         for url in stores.values():
-            publish(text=piece, name=name, model=model, store=url)
+            publish(text=piece, name=name, model=model, store=url, levels=LEVELS)
         ids = sdk.load_context(name, store=stores["local"], model=model).token_ids
         sdk.answer_with_prefill(model, ids, QUESTION, max_new_tokens=1)  # warm-up
         prefill = statistics.median(
@@ -96,7 +98,7 @@ def main() -> int:
             }
         )
         for store_name, url in stores.items():
-            for level in ("fp16", "int8"):
+            for level in LEVELS:
                 samples = []
                 for _ in range(args.repeats):
                     t = time.perf_counter()
