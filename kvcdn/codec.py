@@ -318,7 +318,7 @@ def _decode_rans(
     tid, scale, offset = profile.dequant(level)
     body = flat[:, s:]
     try:
-        if out.device.type == "cuda":
+        if out.device.type == "cuda" and _triton_available():
             from kvcdn.kernels import rans_triton
 
             args = rans_triton.to_device(
@@ -331,7 +331,7 @@ def _decode_rans(
             rans_numba.decode(
                 words, word_start, states, profile.decode_tables(), tid, scale, offset, body.numpy()
             )
-        else:
+        else:  # another dtype, or CUDA without Triton: decode on the CPU, then copy
             from kvcdn.kernels import rans_numba
 
             tmp = np.empty((groups, tokens - s, dim), dtype=np.float32)
@@ -342,6 +342,14 @@ def _decode_rans(
     except RansError as exc:
         raise FormatError(f"{name}: {exc}") from None
     return out
+
+
+def _triton_available() -> bool:
+    try:
+        from kvcdn.kernels import rans_triton
+    except ImportError:
+        return False
+    return rans_triton.available()
 
 
 _ENCODERS = {"fp16": _encode_fp16, "int8-channel-zstd": _encode_int8}
