@@ -151,7 +151,7 @@ class CodecProfile:
         lo = self.table_lo[tid][:, :, :, None, :]
         hi = lo + self.table_size[tid][:, :, :, None, :] - 1
         idx = np.clip(q, lo, hi) - lo
-        return idx.reshape(L * two * H, T, D).transpose(0, 1, 2).astype(np.uint8)
+        return idx.reshape(L * two * H, T, D).astype(np.uint8)
 
 
 # ---- serialisation ----------------------------------------------------------
