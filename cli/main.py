@@ -357,6 +357,104 @@ def calibrate(
     out.print(table)
 
 
+# ---- edge -----------------------------------------------------------------------
+
+
+@cli.group()
+def edge() -> None:
+    """Edge cache nodes: HTTP byte caches near the GPUs, in front of the store."""
+
+
+_SIZE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _parse_size(value: str) -> int:
+    text = value.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE and text[-1:] != "" else ""
+    number = text[: -1 if unit else None]
+    try:
+        size = int(float(number) * _SIZE[unit])
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a size (examples: 512M, 20G)") from None
+    if size <= 0:
+        raise click.BadParameter("the size must be positive")
+    return size
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}") from None
+    if not token:
+        raise click.BadParameter(f"{path} is empty")
+    return token
+
+
+@edge.command("serve")
+@click.option(
+    "--origin",
+    required=True,
+    help="Where misses are read from: s3://bucket/prefix, a folder, or http(s)://.",
+)
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Folder for cached objects (kept across restarts).",
+)
+@click.option("--max-bytes", default="10G", show_default=True, help="Cache size limit (LRU).")
+@click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT.")
+@click.option("--parent", help="A parent edge's URL, asked before the origin (tiered caching).")
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the bearer token clients must send to read.",
+)
+@click.option("--origin-timeout", default=30.0, show_default=True, help="Seconds per origin fetch.")
+@endpoint_option
+def edge_serve(
+    origin: str,
+    cache_dir: Path,
+    max_bytes: str,
+    listen: str,
+    parent: str | None,
+    token_file: Path | None,
+    origin_timeout: float,
+    endpoint_url: str | None,
+) -> None:
+    """Serve store objects over HTTP with a read-through disk cache.
+
+    GET/HEAD /{key} with byte ranges, ETags and conditional requests; chunk
+    objects, profiles and manifest versions are immutable, pointers are
+    revalidated. Concurrent misses share one origin fetch; everything is
+    verified against its key before it is cached and when served from disk.
+    /metrics (Prometheus) and /healthz are always open.
+
+    \b
+      kvcdn edge serve --origin s3://kv/prod --cache-dir /var/cache/kvcdn --max-bytes 200G
+    """
+    import os
+
+    from kvcdn.edge.cache import DiskCache
+    from kvcdn.edge.origin import open_origin
+    from kvcdn.edge.server import Edge, run
+
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
+    if endpoint_url:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint_url
+    origins = [open_origin(origin, origin_timeout)]
+    if parent:
+        origins.insert(0, open_origin(parent, origin_timeout))
+    node = Edge(DiskCache(cache_dir, _parse_size(max_bytes)), origins, _read_token(token_file))
+    err.print(f"kvcdn edge on http://{host}:{port} → {escape(origin)}")
+    run(node, host, int(port))
+
+
 # ---- ask / demo -----------------------------------------------------------------
 
 

@@ -1,0 +1,100 @@
+"""Where an edge fetches what it does not hold: the object store, or a parent edge."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+import aiohttp
+
+from kvcdn.errors import NotFound
+from kvcdn.store import open_store
+
+
+class OriginMissing(Exception):
+    """The origin says the key does not exist."""
+
+
+class OriginFailed(Exception):
+    """The origin could not be reached or answered with an error."""
+
+    def __init__(self, message: str, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class Origin(Protocol):
+    url: str
+
+    async def fetch(self, key: str) -> bytes: ...
+
+    async def close(self) -> None: ...
+
+
+class StoreOrigin:
+    """An object store (``s3://bucket/prefix`` or a folder) through kvcdn's store layer."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self._store = open_store(url)
+
+    async def fetch(self, key: str) -> bytes:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self._store.get, key), self.timeout_s)
+        except NotFound:
+            raise OriginMissing(key) from None
+        except asyncio.TimeoutError:
+            raise OriginFailed(f"origin {self.url} timed out on {key}", timeout=True) from None
+        except Exception as exc:  # the store raises typed errors; anything else is a failure too
+            raise OriginFailed(f"origin {self.url} failed on {key}: {exc}") from None
+
+    async def close(self) -> None:
+        return None
+
+
+class HTTPOrigin:
+    """Any HTTP server with keys as paths: a parent edge, or a CDN in front of the store."""
+
+    def __init__(self, url: str, timeout_s: float, token: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def fetch(self, key: str) -> bytes:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers
+            )
+        try:
+            async with self._session.get(f"{self.url}/{key}") as resp:
+                if resp.status == 404:
+                    raise OriginMissing(key)
+                if resp.status != 200:
+                    raise OriginFailed(f"origin {self.url} answered {resp.status} for {key}")
+                return await resp.read()
+        except asyncio.TimeoutError:
+            raise OriginFailed(f"origin {self.url} timed out on {key}", timeout=True) from None
+        except aiohttp.ClientError as exc:
+            raise OriginFailed(f"origin {self.url} failed on {key}: {exc}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def open_origin(url: str, timeout_s: float = 30.0, token: str | None = None) -> Origin:
+    if url.startswith(("http://", "https://")):
+        return HTTPOrigin(url, timeout_s, token)
+    return StoreOrigin(url, timeout_s)
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start

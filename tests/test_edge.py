@@ -1,0 +1,351 @@
+"""Edge cache nodes as real processes, in front of moto's S3 server on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+import torch
+
+from kvcdn.codec import FIXED_LEVELS, encode_chunk
+from kvcdn.manifest import object_key
+from tests.conftest import free_port
+
+BUCKET_PREFIX = "kv"
+
+
+def _chunk_object(seed: int) -> tuple[str, bytes]:
+    """A real fp16 chunk container of about 1 MiB, and its store key."""
+    rng = np.random.default_rng(seed)
+    kv = torch.from_numpy(rng.standard_normal((4, 2, 2, 256, 64)).astype(np.float32))
+    chunk_hash = f"{seed:064x}"
+    level = FIXED_LEVELS["fp16"]
+    return object_key(chunk_hash, level.id), encode_chunk(level, kv, chunk_hash)
+
+
+@pytest.fixture
+def origin(moto_endpoint):
+    """A fresh bucket with real chunk objects; ``count(key)`` reads moto's own request log."""
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    bucket = f"edge-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    objects = dict(_chunk_object(i) for i in range(1, 7))
+    for key, data in objects.items():
+        client.put_object(Bucket=bucket, Key=f"{BUCKET_PREFIX}/{key}", Body=data)
+
+    def start_recording() -> None:
+        for action in ("stop-recording", "reset-recording", "start-recording"):
+            _post(f"{moto_endpoint}/moto-api/recorder/{action}")
+
+    def origin_gets(key: str) -> int:
+        rec = urllib.request.urlopen(f"{moto_endpoint}/moto-api/recorder/download-recording")
+        path = f"/{bucket}/{BUCKET_PREFIX}/{key}"
+        return sum(
+            1
+            for line in rec.read().decode().splitlines()
+            if line.strip()
+            and json.loads(line)["method"] == "GET"
+            and json.loads(line)["url"].split("?")[0].endswith(path)
+        )
+
+    class Origin:
+        url = f"s3://{bucket}/{BUCKET_PREFIX}"
+        endpoint = moto_endpoint
+
+    o = Origin()
+    o.objects = objects
+    o.start_recording = start_recording
+    o.origin_gets = origin_gets
+    yield o
+    for action in ("stop-recording", "reset-recording"):  # the server is shared by the session
+        _post(f"{moto_endpoint}/moto-api/recorder/{action}")
+
+
+def _post(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
+
+
+class EdgeProcess:
+    """``kvcdn edge serve`` in its own process."""
+
+    def __init__(self, origin_url: str, cache_dir: Path, endpoint: str | None, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable,
+            "-m",
+            "kvcdn.cli.main",
+            "edge",
+            "serve",
+            "--origin",
+            origin_url,
+            "--cache-dir",
+            str(cache_dir),
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--origin-timeout",
+            "5",
+            *(["--endpoint-url", endpoint] if endpoint else []),
+            *extra,
+        ]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> EdgeProcess:
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy()
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"edge exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                urllib.request.urlopen(f"{self.url}/healthz", timeout=1).read()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("edge did not start")
+
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=20)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
+        return {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
+
+def get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):
+    req = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+@pytest.fixture
+def edge(origin, tmp_path):
+    node = EdgeProcess(origin.url, tmp_path / "cache", origin.endpoint, "--max-bytes", "64M")
+    yield node.start()
+    node.kill()
+
+
+def test_miss_then_hit_with_http_semantics(origin, edge):
+    key, data = next(iter(origin.objects.items()))
+    status, headers, body = get(f"{edge.url}/{key}")
+    assert status == 200 and body == data
+    assert headers["Cache-Control"] == "public, max-age=31536000, immutable"
+    tag = headers["ETag"]
+    status, _, body = get(f"{edge.url}/{key}")
+    assert status == 200 and body == data
+    m = edge.metrics()
+    assert m["kvcdn_edge_misses_total"] == 1 and m["kvcdn_edge_hits_total"] == 1
+
+    status, headers, body = get(f"{edge.url}/{key}", method="HEAD")
+    assert status == 200 and body == b"" and int(headers["Content-Length"]) == len(data)
+    status, headers, body = get(f"{edge.url}/{key}", {"Range": "bytes=10-19"})
+    assert status == 206 and body == data[10:20]
+    assert headers["Content-Range"] == f"bytes 10-19/{len(data)}"
+    status, _, body = get(f"{edge.url}/{key}", {"Range": "bytes=-7"})
+    assert status == 206 and body == data[-7:]
+    status, headers, _ = get(f"{edge.url}/{key}", {"Range": f"bytes={len(data)}-"})
+    assert status == 416 and headers["Content-Range"] == f"bytes */{len(data)}"
+    status, _, body = get(f"{edge.url}/{key}", {"If-None-Match": tag})
+    assert status == 304 and body == b""
+    status, _, body = get(f"{edge.url}/{key}", {"If-None-Match": '"other"'})
+    assert status == 200 and body == data
+
+
+def test_64_concurrent_cold_gets_make_one_origin_get(origin, edge):
+    key, data = list(origin.objects.items())[1]
+    origin.start_recording()
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(lambda _: get(f"{edge.url}/{key}"), range(64)))
+    assert all(status == 200 and body == data for status, _, body in results)
+    assert origin.origin_gets(key) == 1  # counted by the origin itself
+    m = edge.metrics()
+    assert m["kvcdn_edge_misses_total"] == 1
+    assert m["kvcdn_edge_coalesced_waiters_total"] + m["kvcdn_edge_hits_total"] == 63
+
+
+def test_corrupted_cache_file_is_detected_and_refetched(origin, edge, tmp_path):
+    key, data = list(origin.objects.items())[2]
+    assert get(f"{edge.url}/{key}")[0] == 200
+    (cached,) = [p for p in (tmp_path / "cache" / "objects").glob("*/*") if p.suffix != ".meta"]
+    raw = bytearray(cached.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    cached.write_bytes(bytes(raw))
+    origin.start_recording()
+    status, _, body = get(f"{edge.url}/{key}")
+    assert status == 200 and body == data
+    assert origin.origin_gets(key) == 1
+    assert edge.metrics()["kvcdn_edge_verify_failures_total"] == 1
+    assert cached.read_bytes() == data  # the good copy replaced the bad one
+
+
+def test_origin_down_cached_objects_still_served_misses_get_502(tmp_path):
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="down")
+    objects = dict(_chunk_object(i) for i in (11, 12))
+    for key, data in objects.items():
+        client.put_object(Bucket="down", Key=f"kv/{key}", Body=data)
+    node = EdgeProcess("s3://down/kv", tmp_path / "cache", endpoint).start()
+    try:
+        (k1, d1), (k2, _) = objects.items()
+        assert get(f"{node.url}/{k1}")[0] == 200
+        server.stop()
+        status, _, body = get(f"{node.url}/{k1}")
+        assert status == 200 and body == d1
+        status, _, body = get(f"{node.url}/{k2}")
+        assert status in (502, 504) and (b"cannot fetch" in body or b"timed out" in body)
+    finally:
+        node.kill()
+
+
+class _SlowOrigin(BaseHTTPRequestHandler):
+    """Sends half an object, then stalls: a download the test can kill the edge in."""
+
+    objects: dict[str, bytes] = {}
+    started = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802
+        data = self.objects.get(self.path.lstrip("/"))
+        if data is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.headers.get("X-Fast") is None and not getattr(self.server, "fast", False):
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.started.set()
+            time.sleep(3)
+        else:
+            self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_edge_killed_mid_download_never_serves_a_partial_object(tmp_path):
+    key, data = _chunk_object(21)
+    _SlowOrigin.objects = {key: data}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowOrigin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    origin_url = f"http://127.0.0.1:{server.server_address[1]}"
+    cache = tmp_path / "cache"
+    node = EdgeProcess(origin_url, cache, None).start()
+    try:
+        client = threading.Thread(target=get, args=(f"{node.url}/{key}",), daemon=True)
+        client.start()
+        assert _SlowOrigin.started.wait(10)
+        node.kill(signal.SIGKILL)  # mid-download, no cleanup
+        assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")]
+        server.fast = True
+        node = EdgeProcess(origin_url, cache, None).start()
+        status, _, body = get(f"{node.url}/{key}")
+        assert status == 200 and body == data
+        assert not [p for p in cache.rglob(".*") if p.is_file()]  # leftovers cleaned at start
+    finally:
+        node.kill()
+        server.shutdown()
+
+
+def test_restart_keeps_the_cache(origin, tmp_path):
+    cache = tmp_path / "cache"
+    key, data = list(origin.objects.items())[3]
+    node = EdgeProcess(origin.url, cache, origin.endpoint).start()
+    assert get(f"{node.url}/{key}")[0] == 200
+    node.kill()
+    node = EdgeProcess(origin.url, cache, origin.endpoint).start()
+    try:
+        origin.start_recording()
+        status, _, body = get(f"{node.url}/{key}")
+        assert status == 200 and body == data
+        assert origin.origin_gets(key) == 0
+        assert node.metrics()["kvcdn_edge_hits_total"] == 1
+    finally:
+        node.kill()
+
+
+def test_tokens_and_bad_keys_are_rejected(origin, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    node = EdgeProcess(
+        origin.url, tmp_path / "cache", origin.endpoint, "--token-file", str(token)
+    ).start()
+    try:
+        key, data = next(iter(origin.objects.items()))
+        assert get(f"{node.url}/{key}")[0] == 401
+        assert get(f"{node.url}/{key}", {"Authorization": "Bearer wrong"})[0] == 401
+        good = {"Authorization": "Bearer s3cret-token"}
+        status, _, body = get(f"{node.url}/{key}", good)
+        assert status == 200 and body == data
+        for bad in (
+            "objects/../../etc/passwd",
+            "objects/%2e%2e/%2e%2e/etc/passwd",
+            "etc/passwd",
+            "objects/ab/" + "a" * 64 + "/x.kvc/../../y",
+            "docs/" + "x" * 2000 + "/latest.json",
+        ):
+            status, _, _ = get(f"{node.url}/{bad}", good)
+            assert status in (400, 404), bad
+        status, _, _ = get(f"{node.url}/{key}", {**good, "X-Big": "a" * 20000})
+        assert status in (400, 431)
+        assert get(f"{node.url}/healthz")[0] == 200  # health and metrics stay open
+    finally:
+        node.kill()
+
+
+def test_eviction_keeps_the_cache_under_its_limit(origin, tmp_path):
+    cache = tmp_path / "cache"
+    size = len(next(iter(origin.objects.values())))
+    limit = int(size * 2.5)
+    node = EdgeProcess(origin.url, cache, origin.endpoint, "--max-bytes", str(limit)).start()
+    try:
+        for key, data in origin.objects.items():
+            status, _, body = get(f"{node.url}/{key}")
+            assert status == 200 and body == data
+            on_disk = sum(
+                p.stat().st_size for p in (cache / "objects").glob("*/*") if p.suffix != ".meta"
+            )
+            assert on_disk <= limit
+        m = node.metrics()
+        assert m["kvcdn_edge_evictions_total"] == len(origin.objects) - 2
+        assert m["kvcdn_edge_cache_bytes"] <= limit
+    finally:
+        node.kill()
+
+
+def test_edge_never_imports_torch():
+    code = (
+        "import sys, kvcdn.edge.server, kvcdn.edge.cache, kvcdn.edge.origin, kvcdn.cli.main; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
