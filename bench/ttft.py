@@ -30,6 +30,7 @@ QUESTION = "What is sed?"
 
 LEVELS = ("fp16", "int8", "default", "lowest")  # the lossless reference, int8, two ladder levels
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
