@@ -76,10 +76,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def moto_endpoint():
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory):
     """moto's S3 server on a real loopback HTTP port (as s3fs's own tests run it)."""
     from moto.server import ThreadedMotoServer
 
+    # moto's request recorder (used by the edge tests) writes here, not in the checkout
+    os.environ["MOTO_RECORDER_FILEPATH"] = str(tmp_path_factory.mktemp("moto") / "recording")
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
