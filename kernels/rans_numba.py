@@ -21,27 +21,34 @@ _MASK = (1 << PROB_BITS) - 1
 _X_MAX_UNIT = (RANS_L >> PROB_BITS) << 16
 
 
+@njit(cache=True, nogil=True)
+def _encode_group(sym, table_id, freqs, starts, scratch, states):  # pragma: no cover - jitted
+    """Encode one group's symbols ``[T, D]``; returns how many words went to ``scratch``."""
+    T, D = sym.shape
+    x = np.full(D, RANS_L, dtype=np.uint64)
+    n = 0
+    for t in range(T - 1, -1, -1):
+        for d in range(D - 1, -1, -1):
+            tab = table_id[d]
+            s = sym[t, d]
+            f = np.uint64(freqs[tab, s])
+            xd = x[d]
+            if xd >= np.uint64(_X_MAX_UNIT) * f:
+                scratch[n] = np.uint16(xd & np.uint64(0xFFFF))
+                n += 1
+                xd >>= np.uint64(16)
+            x[d] = ((xd // f) << np.uint64(PROB_BITS)) + (xd % f) + np.uint64(starts[tab, s])
+    for d in range(D):
+        states[d] = np.uint32(x[d])
+    return n
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _encode(sym, table_id, freqs, starts, scratch, lengths):  # pragma: no cover - jitted
     G, T, D = sym.shape
     states = np.empty((G, D), dtype=np.uint32)
     for g in prange(G):
-        x = np.full(D, RANS_L, dtype=np.uint64)
-        n = 0
-        for t in range(T - 1, -1, -1):
-            for d in range(D - 1, -1, -1):
-                tab = table_id[g, d]
-                s = sym[g, t, d]
-                f = np.uint64(freqs[tab, s])
-                xd = x[d]
-                if xd >= np.uint64(_X_MAX_UNIT) * f:
-                    scratch[g, n] = np.uint16(xd & np.uint64(0xFFFF))
-                    n += 1
-                    xd >>= np.uint64(16)
-                x[d] = ((xd // f) << np.uint64(PROB_BITS)) + (xd % f) + np.uint64(starts[tab, s])
-        lengths[g] = n
-        for d in range(D):
-            states[g, d] = np.uint32(x[d])
+        lengths[g] = _encode_group(sym[g], table_id[g], freqs, starts, scratch[g], states[g])
     return states
 
 
@@ -96,24 +103,7 @@ def _quantise_encode(
                 elif not q >= np.float32(0.0):  # NaN: fails every comparison
                     q = np.float32(0.0)
                 sym[t, d] = np.uint8(q)
-        x_state = np.full(D, RANS_L, dtype=np.uint64)
-        n = 0
-        for t in range(T - 1, -1, -1):
-            for d in range(D - 1, -1, -1):
-                tab = table_id[g, d]
-                s = sym[t, d]
-                f = np.uint64(freqs[tab, s])
-                xd = x_state[d]
-                if xd >= np.uint64(_X_MAX_UNIT) * f:
-                    scratch[g, n] = np.uint16(xd & np.uint64(0xFFFF))
-                    n += 1
-                    xd >>= np.uint64(16)
-                x_state[d] = (
-                    ((xd // f) << np.uint64(PROB_BITS)) + (xd % f) + np.uint64(starts[tab, s])
-                )
-        lengths[g] = n
-        for d in range(D):
-            states[g, d] = np.uint32(x_state[d])
+        lengths[g] = _encode_group(sym, table_id[g], freqs, starts, scratch[g], states[g])
     return states
 
 
