@@ -370,8 +370,8 @@ _SIZE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def _parse_size(value: str) -> int:
     text = value.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = text[-1:] if text[-1:] in _SIZE and text[-1:] != "" else ""
-    number = text[: -1 if unit else None]
+    unit = text[-1] if text and text[-1] in "KMGT" else ""
+    number = text[: len(text) - len(unit)]
     try:
         size = int(float(number) * _SIZE[unit])
     except ValueError:

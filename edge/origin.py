@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Protocol
 
 import aiohttp
@@ -89,12 +88,3 @@ def open_origin(url: str, timeout_s: float = 30.0, token: str | None = None) -> 
     if url.startswith(("http://", "https://")):
         return HTTPOrigin(url, timeout_s, token)
     return StoreOrigin(url, timeout_s)
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    @property
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start

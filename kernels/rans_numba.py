@@ -61,6 +61,15 @@ def _gather_words(scratch, lengths, word_start, words):  # pragma: no cover - ji
             words[base + i] = scratch[g, n - 1 - i]
 
 
+def _concatenate(scratch: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-group scratch words (in encoder order) -> (``words``, ``word_start``)."""
+    word_start = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=word_start[1:])
+    words = np.empty(int(word_start[-1]), dtype=np.uint16)
+    _gather_words(scratch, lengths, word_start, words)
+    return words, word_start
+
+
 def encode(
     sym: np.ndarray, table_id: np.ndarray, freqs: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -77,11 +86,7 @@ def encode(
     scratch = np.empty((G, T * D), dtype=np.uint16)  # at most one word per symbol
     lengths = np.zeros(G, dtype=np.int64)
     states = _encode(sym, tid, freqs32, cumulative(freqs32), scratch, lengths)
-    word_start = np.zeros(G + 1, dtype=np.int64)
-    np.cumsum(lengths, out=word_start[1:])
-    words = np.empty(int(word_start[-1]), dtype=np.uint16)
-    _gather_words(scratch, lengths, word_start, words)
-    return states, words, word_start
+    return (states, *_concatenate(scratch, lengths))
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
@@ -139,11 +144,7 @@ def quantise_encode(
         scratch,
         lengths,
     )
-    word_start = np.zeros(G + 1, dtype=np.int64)
-    np.cumsum(lengths, out=word_start[1:])
-    words = np.empty(int(word_start[-1]), dtype=np.uint16)
-    _gather_words(scratch, lengths, word_start, words)
-    return states, words, word_start
+    return (states, *_concatenate(scratch, lengths))
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
