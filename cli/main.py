@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
+import time
+from collections import Counter
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -21,7 +24,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from kvcdn.errors import KvcdnError
-from kvcdn.store import Store
+from kvcdn.store import Reader, Store
 
 out = Console()
 err = Console(stderr=True)
@@ -413,7 +416,23 @@ def _read_token(path: Path | None) -> str | None:
     type=click.Path(path_type=Path, dir_okay=False),
     help="File holding the bearer token clients must send to read.",
 )
+@click.option(
+    "--admin-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the bearer token for POST /warm. [default: the read token, if any]",
+)
+@click.option(
+    "--bucket",
+    help="Bucket name S3 clients use for this edge. [default: the origin's bucket, or kvcdn]",
+)
 @click.option("--origin-timeout", default=30.0, show_default=True, help="Seconds per origin fetch.")
+@click.option(
+    "--warm-concurrency",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Origin fetches that warm jobs may run at once.",
+)
 @endpoint_option
 def edge_serve(
     origin: str,
@@ -422,7 +441,10 @@ def edge_serve(
     listen: str,
     parent: str | None,
     token_file: Path | None,
+    admin_token_file: Path | None,
+    bucket: str | None,
     origin_timeout: float,
+    warm_concurrency: int,
     endpoint_url: str | None,
 ) -> None:
     """Serve store objects over HTTP with a read-through disk cache.
@@ -431,28 +453,196 @@ def edge_serve(
     objects, profiles and manifest versions are immutable, pointers are
     revalidated. Concurrent misses share one origin fetch; everything is
     verified against its key before it is cached and when served from disk.
-    /metrics (Prometheus) and /healthz are always open.
+
+    S3 clients (boto3, s3fs, aws s3) read the same objects through
+    GET/HEAD /{bucket}/{key} and ListObjectsV2 with --endpoint-url set to the
+    edge. POST /warm {"keys": [...]} prefetches in the background (see
+    `kvcdn warm`). /metrics (Prometheus) and /healthz are always open.
 
     \b
       kvcdn edge serve --origin s3://kv/prod --cache-dir /var/cache/kvcdn --max-bytes 200G
+      kvcdn edge serve --origin s3://kv/prod --parent http://regional-edge:8080 ...
     """
     import os
 
     from kvcdn.edge.cache import DiskCache
     from kvcdn.edge.origin import open_origin
+    from kvcdn.edge.s3api import BucketView
     from kvcdn.edge.server import Edge, run
 
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
+    if bucket is not None and (bucket in _EDGE_ROUTES or not _BUCKET.match(bucket)):
+        raise click.BadParameter(
+            f"{bucket!r} cannot be a bucket name here (3-63 lowercase letters, digits, . or -; "
+            f"not {', '.join(sorted(_EDGE_ROUTES))})",
+            param_hint="--bucket",
+        )
     if endpoint_url:
         os.environ["AWS_ENDPOINT_URL"] = endpoint_url
+    read_token = _read_token(token_file)
     origins = [open_origin(origin, origin_timeout)]
-    if parent:
-        origins.insert(0, open_origin(parent, origin_timeout))
-    node = Edge(DiskCache(cache_dir, _parse_size(max_bytes)), origins, _read_token(token_file))
+    if parent:  # a parent edge of the same network takes the same read token
+        origins.insert(0, open_origin(parent, origin_timeout, read_token))
+    try:
+        cache = DiskCache(cache_dir, _parse_size(max_bytes))
+    except OSError as exc:
+        raise click.BadParameter(f"cannot use {cache_dir}: {exc.strerror}") from None
+    node = Edge(
+        cache,
+        origins,
+        read_token,
+        admin_token=_read_token(admin_token_file),
+        view=BucketView.for_origin(origin, bucket),
+        warm_concurrency=warm_concurrency,
+    )
     err.print(f"kvcdn edge on http://{host}:{port} → {escape(origin)}")
     run(node, host, int(port))
+
+
+_EDGE_ROUTES = {"warm", "metrics", "healthz"}
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+@cli.command()
+@click.argument("refs", nargs=-1, required=True, metavar="NAME[@VERSION]...")
+@click.option(
+    "--edge",
+    "edges",
+    multiple=True,
+    required=True,
+    metavar="URL",
+    help="An edge node (repeat for several); each document goes to the edge(s) that "
+    "rendezvous hashing of its chain hash picks, as the SDK does.",
+)
+@click.option(
+    "--levels",
+    help="Levels to warm, comma-separated. [default: every level the document stores]",
+)
+@click.option(
+    "--replicas",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Edges per document (its first N in placement order).",
+)
+@click.option(
+    "--admin-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the edges' admin token.",
+)
+@click.option("--no-wait", is_flag=True, help="Start the warm jobs and return.")
+@store_option
+@endpoint_option
+@json_option
+def warm(
+    refs: tuple[str, ...],
+    edges: tuple[str, ...],
+    levels: str | None,
+    replicas: int,
+    admin_token_file: Path | None,
+    no_wait: bool,
+    store: str | None,
+    endpoint_url: str | None,
+    as_json: bool,
+) -> None:
+    """Pre-load edge nodes with documents, so first reads are cache hits.
+
+    Reads each document's manifest from the store, places the document on
+    its edge(s), and asks each edge to fetch the document's manifest, codec
+    profile and chunk objects in the background, then follows the jobs until
+    they finish. Warming is idempotent: objects an edge holds are not fetched
+    again.
+
+    \b
+      kvcdn warm sed-manual bash@3 --edge http://edge-a:8080 --edge http://edge-b:8080
+      kvcdn warm sed-manual --edge http://edge-a:8080 --levels default,lowest
+    """
+    from kvcdn.catalog import parse_ref, read_manifest
+    from kvcdn.sdk.edges import EdgeAdmin, plan_warm
+
+    target = _open(store, endpoint_url)
+    manifests = [read_manifest(target, *parse_ref(ref)) for ref in refs]
+    chosen = [lv.strip() for lv in levels.split(",") if lv.strip()] if levels else None
+    plan = plan_warm(manifests, list(edges), chosen, replicas)
+    admin = EdgeAdmin(_read_token(admin_token_file))
+    jobs: dict[str, dict[str, Any]] = {}
+    failures: dict[str, str] = {}
+    for assignment in plan:
+        try:
+            jobs[assignment.edge] = admin.warm(assignment.edge, assignment.keys)
+        except KvcdnError as exc:
+            failures[assignment.edge] = str(exc)
+    started = time.monotonic()
+    if not no_wait and jobs:
+        with _progress(not as_json) as progress:
+            bars = {
+                edge: progress.add_task(escape(edge), total=job["total"])
+                for edge, job in jobs.items()
+            }
+            while True:
+                for edge, job in list(jobs.items()):
+                    if job["state"] == "running" and edge not in failures:
+                        try:
+                            jobs[edge] = job = admin.job(edge, job["id"])
+                        except KvcdnError as exc:  # the edge went away mid-job
+                            failures[edge] = str(exc)
+                    progress.update(bars[edge], completed=job["done"])
+                if all(j["state"] != "running" or e in failures for e, j in jobs.items()):
+                    break
+                time.sleep(0.2)
+    seconds = time.monotonic() - started
+    rows = []
+    for assignment in plan:
+        job = jobs.get(assignment.edge, {})
+        rows.append(
+            {
+                "edge": assignment.edge,
+                "documents": assignment.documents,
+                "objects": len(assignment.keys),
+                "bytes": assignment.bytes,
+                "state": "unreachable" if assignment.edge in failures else job.get("state"),
+                "cached": job.get("cached", 0),
+                "fetched": job.get("fetched", 0),
+                "failed": job.get("failed", 0),
+                "bytes_fetched": job.get("bytes_fetched", 0),
+                "errors": (
+                    [{"error": failures[assignment.edge]}]
+                    if assignment.edge in failures
+                    else job.get("errors", [])
+                ),
+                "job": job.get("id"),
+            }
+        )
+    failed = any(r["state"] in ("unreachable", "failed") for r in rows)
+    if as_json:
+        _emit_json({"edges": rows, "seconds": seconds, "ok": not failed})
+    else:
+        table = Table("edge", "documents", "objects", "size", "state", "already cached", "fetched")
+        for r in rows:
+            table.add_row(
+                escape(r["edge"]),
+                escape(", ".join(r["documents"]) or "(manifests)"),
+                str(r["objects"]),
+                _mb(r["bytes"]),
+                str(r["state"]),
+                str(r["cached"]),
+                f"{r['fetched']} ({_mb(r['bytes_fetched'])})",
+            )
+        out.print(table)
+        for r in rows:
+            for e in r["errors"][:5]:
+                where = f"{e['key']}: " if "key" in e else ""
+                err.print(f"[red]✗[/] {escape(r['edge'])}: {escape(where + e['error'])}")
+        if no_wait:
+            out.print("warm jobs started; follow them at EDGE/warm/JOB")
+        else:
+            out.print(
+                f"warmed {len(manifests)} document(s) on {len(rows)} edge(s) in {seconds:.1f} s"
+            )
+    if failed:
+        raise click.exceptions.Exit(1)
 
 
 # ---- ask / demo -----------------------------------------------------------------
@@ -461,13 +651,29 @@ def edge_serve(
 @cli.command()
 @click.argument("doc", metavar="DOC")
 @click.argument("question")
-@click.option("--level", help="Quality level to load. [default: int8 if published, else fp16]")
+@click.option(
+    "--level",
+    help="Quality level to load, or 'text' to recompute. [default: the 'default' level]",
+)
 @click.option(
     "--compare",
     is_flag=True,
     help="Also answer after a full prefill and print both times to first token.",
 )
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1, 4096))
+@click.option(
+    "--edge",
+    "edges",
+    multiple=True,
+    metavar="URL",
+    help="Read through this edge node (repeat for several; failover in placement order, "
+    "then --store if given).",
+)
+@click.option(
+    "--edge-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the edges' read token.",
+)
 @model_option
 @store_option
 @endpoint_option
@@ -479,6 +685,8 @@ def ask(
     level: str | None,
     compare: bool,
     max_new_tokens: int,
+    edges: tuple[str, ...],
+    edge_token_file: Path | None,
     model: str | None,
     store: str | None,
     endpoint_url: str | None,
@@ -489,10 +697,20 @@ def ask(
 
     DOC is a document name (name or name@version), or the path of a document
     that was published.
+
+    \b
+      kvcdn ask sed-manual "How do I edit a file in place?" --compare
+      kvcdn ask sed-manual "..." --edge http://edge-a:8080 --edge http://edge-b:8080
     """
-    result = _ask(
-        doc, question, level, compare, max_new_tokens, model, _open(store, endpoint_url), device
-    )
+    target: Reader
+    if edges:
+        from kvcdn.sdk.edges import EdgeStore
+
+        origin = _open(store, endpoint_url) if store else None
+        target = EdgeStore(list(edges), origin, token=_read_token(edge_token_file))
+    else:
+        target = _open(store, endpoint_url)
+    result = _ask(doc, question, level, compare, max_new_tokens, model, target, device)
     if as_json:
         _emit_json(result)
     else:
@@ -506,7 +724,7 @@ def _ask(
     compare: bool,
     max_new_tokens: int,
     model: str | None,
-    target: Store,
+    target: Reader,
     device: str | None,
 ) -> dict[str, Any]:
     from kvcdn import sdk
@@ -537,6 +755,7 @@ def _ask(
             "answer": answer.text,
             "level": ctx.plan.level,
             "bytes": ctx.plan.bytes,
+            "sources": dict(Counter(ctx.plan.chunk_sources)),
             "load_seconds": ctx.plan.seconds,
             "ttft_s": ctx.plan.total_seconds + answer.ttft_s,
         },
@@ -556,6 +775,9 @@ def _print_answers(result: dict[str, Any]) -> None:
     kv = result["kvcdn"]
     out.print(f"[bold]{escape(result['document'])}[/] · {escape(result['question'])}")
     out.print(f"\n[bold cyan]kvcdn ({kv['level']})[/] first token after {kv['ttft_s']:.2f} s")
+    if any(source.startswith("http") or source == "origin" for source in kv["sources"]):
+        served = ", ".join(f"{escape(s)} ({n} chunks)" for s, n in kv["sources"].items())
+        out.print(f"[dim]served by {served}[/]")
     out.print(escape(kv["answer"]))
     if "prefill" in result:
         pf = result["prefill"]

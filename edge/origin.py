@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import xml.etree.ElementTree as ET
 from typing import Protocol
 
 import aiohttp
@@ -28,6 +29,10 @@ class Origin(Protocol):
 
     async def fetch(self, key: str) -> bytes: ...
 
+    async def list(self, prefix: str) -> dict[str, int]:
+        """Keys starting with ``prefix`` and their sizes."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -49,6 +54,20 @@ class StoreOrigin:
         except Exception as exc:  # the store raises typed errors; anything else is a failure too
             raise OriginFailed(f"origin {self.url} failed on {key}: {exc}") from None
 
+    async def list(self, prefix: str) -> dict[str, int]:
+        folder = prefix[: prefix.rfind("/") + 1]  # the store lists folder-like prefixes
+        try:
+            found = await asyncio.wait_for(
+                asyncio.to_thread(self._store.list_sizes, folder), self.timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise OriginFailed(
+                f"origin {self.url} timed out listing {prefix}", timeout=True
+            ) from None
+        except Exception as exc:
+            raise OriginFailed(f"origin {self.url} failed listing {prefix}: {exc}") from None
+        return {k: n for k, n in found.items() if k.startswith(prefix)}
+
     async def close(self) -> None:
         return None
 
@@ -62,13 +81,16 @@ class HTTPOrigin:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session: aiohttp.ClientSession | None = None
 
-    async def fetch(self, key: str) -> bytes:
+    def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s), headers=self._headers
             )
+        return self._session
+
+    async def fetch(self, key: str) -> bytes:
         try:
-            async with self._session.get(f"{self.url}/{key}") as resp:
+            async with self._client().get(f"{self.url}/{key}") as resp:
                 if resp.status == 404:
                     raise OriginMissing(key)
                 if resp.status != 200:
@@ -78,6 +100,33 @@ class HTTPOrigin:
             raise OriginFailed(f"origin {self.url} timed out on {key}", timeout=True) from None
         except aiohttp.ClientError as exc:
             raise OriginFailed(f"origin {self.url} failed on {key}: {exc}") from None
+
+    async def list(self, prefix: str) -> dict[str, int]:
+        """A parent edge lists store keys at its root (``GET /?list-type=2``)."""
+        found: dict[str, int] = {}
+        query = {"list-type": "2", "prefix": prefix}
+        try:
+            while True:
+                async with self._client().get(f"{self.url}/", params=query) as resp:
+                    if resp.status != 200:
+                        raise OriginFailed(f"origin {self.url} answered {resp.status} to a listing")
+                    root = ET.fromstring(await resp.read())
+                ns = {"s3": root.tag[1 : root.tag.index("}")]} if root.tag.startswith("{") else {}
+                p = "s3:" if ns else ""
+                for item in root.iterfind(f"{p}Contents", ns):
+                    found[item.findtext(f"{p}Key", "", ns)] = int(
+                        item.findtext(f"{p}Size", "0", ns)
+                    )
+                token = root.findtext(f"{p}NextContinuationToken", None, ns)
+                if root.findtext(f"{p}IsTruncated", "false", ns) != "true" or not token:
+                    return found
+                query["continuation-token"] = token
+        except asyncio.TimeoutError:
+            raise OriginFailed(
+                f"origin {self.url} timed out listing {prefix}", timeout=True
+            ) from None
+        except (aiohttp.ClientError, ET.ParseError, ValueError) as exc:
+            raise OriginFailed(f"origin {self.url} failed listing {prefix}: {exc}") from None
 
     async def close(self) -> None:
         if self._session is not None:

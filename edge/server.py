@@ -6,6 +6,9 @@ lets any standard HTTP cache sit in front of or behind the edge. A miss is
 read through from the origin (or a parent edge first); concurrent misses for
 one key share a single origin fetch. Bytes are verified before they are
 cached and every time they are served from disk.
+
+The same objects are readable through a path-style S3 API (:mod:`.s3api`),
+and ``POST /warm`` (:mod:`.warm`) fetches lists of keys in the background.
 """
 
 from __future__ import annotations
@@ -21,11 +24,24 @@ from aiohttp import web
 
 from .cache import DiskCache
 from .origin import Origin, OriginFailed, OriginMissing
+from .s3api import (
+    ERROR_CODES,
+    BucketView,
+    ListRequest,
+    S3RequestError,
+    error_xml,
+    list_page,
+    list_xml,
+)
 from .verify import VerifyError, cache_control, check_key, etag, verify
+from .warm import Warmer
 
 log = logging.getLogger(__name__)
 
 POINTER_TTL_S = 5.0  # how long the edge itself reuses a pointer (latest.json, ...)
+LISTING_TTL_S = 5.0  # and a listing of the origin
+MAX_WARM_KEYS = 100_000
+MAX_BODY = 16 << 20  # a warm request with MAX_WARM_KEYS keys fits
 MAX_LINE = 8190
 MAX_FIELD = 8190
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -53,29 +69,52 @@ class Metrics:
 
 
 class Edge:
+    """One edge node: a disk cache, its origins (parent edges first), its tokens."""
+
     def __init__(
         self,
         cache: DiskCache,
         origins: list[Origin],
         read_token: str | None = None,
+        *,
+        admin_token: str | None = None,
+        view: BucketView | None = None,
+        warm_concurrency: int = 8,
     ) -> None:
         self.cache = cache
         self.origins = origins
         self.read_token = read_token
+        # Without an admin token, warming is as open as reading (it fetches
+        # nothing a reader could not make the edge fetch).
+        self.admin_token = admin_token if admin_token is not None else read_token
+        self.view = view or BucketView("kvcdn")
         self.metrics = Metrics()
+        self._warm_concurrency = warm_concurrency
+        self.warmer: Warmer | None = None  # made on start-up, inside the event loop
         self._inflight: dict[str, asyncio.Future[tuple[bytes, str]]] = {}
         self._pointers: dict[str, tuple[float, bytes, str]] = {}
+        self._listings: dict[str, tuple[float, dict[str, int]]] = {}
 
     # ---- the app -------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20, middlewares=[self._count])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._count])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics_page)
-        app.router.add_get("/{key:.+}", self.serve)
+        app.router.add_post("/warm", self.warm)
+        app.router.add_get("/warm", self.warm_jobs)
+        app.router.add_get("/warm/{id:[0-9a-f]{16}}", self.warm_status)
+        app.router.add_get("/", self.root_listing)
+        app.router.add_get("/{path:.+}", self.serve)
+        app.on_startup.append(self._start)
         app.on_cleanup.append(self._close)
         return app
 
+    async def _start(self, app: web.Application) -> None:
+        self.warmer = Warmer(self._ensure, self._warm_concurrency)
+
     async def _close(self, app: web.Application) -> None:
+        if self.warmer is not None:
+            await self.warmer.close()
         for origin in self.origins:
             await origin.close()
 
@@ -126,16 +165,99 @@ class Edge:
 
     # ---- serving -------------------------------------------------------------
     async def serve(self, request: web.Request) -> web.StreamResponse:
+        """``/{store key}``, or an S3 path ``/{bucket}[/{key}]``."""
+        path = request.match_info["path"]
+        kind = check_key(path)
+        if kind is not None:
+            self._authorise(request, self.read_token)
+            return await self._respond(request, path, kind, s3=False)
+        try:
+            self._authorise(request, self.read_token)
+            return await self._s3(request, path)
+        except S3RequestError as exc:
+            return _s3_error(exc.status, exc.code, str(exc), path)
+        except web.HTTPUnauthorized as exc:  # S3 clients expect an S3 error document
+            return _s3_error(403, "AccessDenied", exc.text or "", path)
+
+    async def _s3(self, request: web.Request, path: str) -> web.StreamResponse:
+        bucket, _, s3_key = path.partition("/")
+        if bucket != self.view.bucket:
+            raise S3RequestError(
+                404,
+                "NoSuchBucket",
+                f"{path[:200]} is neither a kvcdn key nor in bucket {self.view.bucket}",
+            )
+        if not s3_key:  # bucket-level requests
+            if request.method == "HEAD":
+                return web.Response(status=200)
+            if "location" in request.query:
+                return web.Response(
+                    body=b'<?xml version="1.0" encoding="UTF-8"?>\n<LocationConstraint '
+                    b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"/>\n',
+                    content_type="application/xml",
+                )
+            return await self._list(request, self.view)
+        key = self.view.store_key(s3_key)
+        kind = check_key(key) if key is not None else None
+        if key is None or kind is None:
+            raise S3RequestError(404, "NoSuchKey", f"no kvcdn object {s3_key[:200]}")
+        return await self._respond(request, key, kind, s3=True)
+
+    async def root_listing(self, request: web.Request) -> web.StreamResponse:
+        """``GET /?list-type=2&prefix=``: store keys, for child edges and tools."""
         self._authorise(request, self.read_token)
-        key = request.match_info["key"]
-        kind = check_key(key)
-        if kind is None:
-            raise web.HTTPNotFound(text=f"not a kvcdn key: {key[:200]}\n")
+        try:
+            return await self._list(request, BucketView(""))
+        except S3RequestError as exc:
+            return _s3_error(exc.status, exc.code, str(exc), "/")
+
+    async def _list(self, request: web.Request, view: BucketView) -> web.StreamResponse:
+        query = ListRequest.parse(dict(request.query))
+        prefix = view.store_prefix(query.prefix)
+        sizes: dict[str, int] = {}
+        if prefix is not None:
+            sizes = {view.prefix + k: n for k, n in (await self._listing(prefix)).items()}
+        page = list_page(sizes, query)
+        return web.Response(body=list_xml(view.bucket, query, page), content_type="application/xml")
+
+    async def _listing(self, prefix: str) -> dict[str, int]:
+        """Servable store keys under ``prefix`` with their sizes, from the first origin
+        that answers; reused for a few seconds, like pointers."""
+        cached = self._listings.get(prefix)
+        if cached and time.monotonic() - cached[0] < LISTING_TTL_S:
+            return cached[1]
+        last: Exception | None = None
+        for origin in self.origins:
+            try:
+                found = await origin.list(prefix)
+            except OriginFailed as exc:
+                last = exc
+                continue
+            sizes = {k: n for k, n in found.items() if check_key(k) is not None}
+            if len(self._listings) > 1024:
+                self._listings.clear()
+            self._listings[prefix] = (time.monotonic(), sizes)
+            return sizes
+        status = 504 if isinstance(last, OriginFailed) and last.timeout else 502
+        raise S3RequestError(status, ERROR_CODES[status], f"cannot list {prefix!r}: {last}")
+
+    async def _respond(
+        self, request: web.Request, key: str, kind: str, *, s3: bool
+    ) -> web.StreamResponse:
         try:
             data, tag = await self._object(key, kind)
         except FetchError as exc:  # a fresh response per request, even for shared failures
+            if s3:
+                return _s3_error(
+                    exc.status, ERROR_CODES.get(exc.status, "InternalError"), str(exc), key
+                )
             return web.Response(status=exc.status, text=f"{exc}\n")
         headers = {"ETag": tag, "Cache-Control": cache_control(kind), "Accept-Ranges": "bytes"}
+        if_match = request.headers.get("If-Match")
+        if if_match is not None and not _matches(if_match, tag):
+            if s3:
+                return _s3_error(412, "PreconditionFailed", "the object's ETag differs", key)
+            return web.Response(status=412, headers=headers, text="If-Match does not match\n")
         if _matches(request.headers.get("If-None-Match"), tag):
             return web.Response(status=304, headers=headers)
         content_type = "application/json" if key.endswith(".json") else "application/octet-stream"
@@ -146,6 +268,8 @@ class Edge:
             span = _parse_range(spec, len(data))
             if span == "unsatisfiable":
                 headers["Content-Range"] = f"bytes */{len(data)}"
+                if s3:
+                    return _s3_error(416, "InvalidRange", "the range is not satisfiable", key)
                 return web.Response(status=416, headers=headers)
         if isinstance(span, tuple) and span != (0, len(data) - 1):
             start, end = span
@@ -154,6 +278,62 @@ class Edge:
         if request.method != "HEAD":
             self.metrics.bytes_served += len(body)
         return web.Response(status=status, body=body, headers=headers, content_type=content_type)
+
+    # ---- warming -------------------------------------------------------------
+    async def warm(self, request: web.Request) -> web.Response:
+        """``POST /warm`` with ``{"keys": [...]}``: fetch them in the background."""
+        self._authorise(request, self.admin_token)
+        assert self.warmer is not None
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise web.HTTPBadRequest(text='the body must be JSON: {"keys": [...]}\n') from None
+        keys = body.get("keys") if isinstance(body, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise web.HTTPBadRequest(text='the body must be JSON: {"keys": ["objects/..", ...]}\n')
+        if len(keys) > MAX_WARM_KEYS:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=MAX_WARM_KEYS,
+                actual_size=len(keys),
+                text=f"at most {MAX_WARM_KEYS} keys\n",
+            )
+        bad = [k for k in keys if check_key(k) is None]
+        if bad:
+            shown = ", ".join(repr(k[:200]) for k in bad[:5])
+            raise web.HTTPBadRequest(text=f"{len(bad)} keys are not kvcdn keys: {shown}\n")
+        job, started = self.warmer.submit(keys)
+        return web.json_response(
+            job.to_json(), status=202 if started else 200, headers={"Location": f"/warm/{job.id}"}
+        )
+
+    async def warm_status(self, request: web.Request) -> web.Response:
+        self._authorise(request, self.admin_token)
+        assert self.warmer is not None
+        job = self.warmer.jobs.get(request.match_info["id"])
+        if job is None:
+            raise web.HTTPNotFound(text="no such warm job (finished jobs are kept a while)\n")
+        return web.json_response(job.to_json())
+
+    async def warm_jobs(self, request: web.Request) -> web.Response:
+        self._authorise(request, self.admin_token)
+        assert self.warmer is not None
+        jobs = [
+            {k: v for k, v in j.to_json().items() if k != "errors"}
+            for j in self.warmer.jobs.values()
+        ]
+        return web.json_response({"jobs": jobs})
+
+    async def _ensure(self, key: str) -> tuple[str, int]:
+        """Make ``key`` cached: ("cached", 0) if it was, else ("fetched", its size)."""
+        kind = check_key(key)
+        assert kind is not None  # warm requests are checked on arrival
+        if kind != "pointer" and self.cache.lookup(key) is not None:
+            return "cached", 0
+        try:
+            data, _ = await self._miss(key, kind)
+        except FetchError as exc:
+            raise RuntimeError(f"{exc} ({exc.status})") from None
+        return "fetched", len(data)
 
     def _authorise(self, request: web.Request, token: str | None) -> None:
         if token is None:
@@ -184,6 +364,10 @@ class Edge:
                         self.metrics.verify_failures += 1
                         log.warning("cached copy of %s is damaged, refetching: %s", key, exc)
                         self.cache.drop(key)
+        return await self._miss(key, kind)
+
+    async def _miss(self, key: str, kind: str) -> tuple[bytes, str]:
+        """Fetch ``key`` once for everyone who asks while the fetch runs."""
         waiting = self._inflight.get(key)
         if waiting is not None:
             self.metrics.coalesced += 1
@@ -233,6 +417,14 @@ class Edge:
         if isinstance(last, OriginFailed) and last.timeout:
             raise FetchError(504, f"origin timed out fetching {key}: {last}")
         raise FetchError(502, f"cannot fetch {key}: {last}")
+
+
+def _s3_error(status: int, code: str, message: str, resource: str) -> web.Response:
+    return web.Response(
+        status=status,
+        body=error_xml(code, message, resource),
+        content_type="application/xml",
+    )
 
 
 def _matches(header: str | None, tag: str) -> bool:

@@ -17,7 +17,7 @@ from .manifest import (
     parse_pointer,
     source_index_key,
 )
-from .store import Store
+from .store import Reader
 
 _VERSION_KEY = re.compile(r"^docs/([^/]+)/versions/(\d+)\.json$")
 
@@ -33,7 +33,7 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
     return name, int(version)
 
 
-def versions(store: Store, name: str) -> list[int]:
+def versions(store: Reader, name: str) -> list[int]:
     """Every complete version of ``name`` (those whose manifest exists), ascending."""
     found = []
     for key in store.list(f"docs/{name}/versions/"):
@@ -43,13 +43,13 @@ def versions(store: Store, name: str) -> list[int]:
     return sorted(found)
 
 
-def latest_version(store: Store, name: str) -> int | None:
+def latest_version(store: Reader, name: str) -> int | None:
     """The newest complete version, by listing (authoritative; the pointer may lag)."""
     found = versions(store, name)
     return found[-1] if found else None
 
 
-def pointer_version(store: Store, name: str) -> int | None:
+def pointer_version(store: Reader, name: str) -> int | None:
     """The version ``latest.json`` points at, or None when there is no pointer."""
     try:
         data = store.get(latest_key(name))
@@ -58,7 +58,7 @@ def pointer_version(store: Store, name: str) -> int | None:
     return parse_pointer(data, name=f"{name}'s latest pointer")["version"]
 
 
-def read_manifest(store: Store, name: str, version: int | None = None) -> Manifest:
+def read_manifest(store: Reader, name: str, version: int | None = None) -> Manifest:
     """The manifest of ``name`` at ``version`` (default: the latest pointer)."""
     if version is None:
         version = pointer_version(store, name) or latest_version(store, name)
@@ -90,7 +90,7 @@ class DocumentSummary:
     latest: int
 
 
-def list_documents(store: Store) -> list[DocumentSummary]:
+def list_documents(store: Reader) -> list[DocumentSummary]:
     by_name: dict[str, list[int]] = {}
     for key in store.list(DOCS_PREFIX):
         match = _VERSION_KEY.match(key)
@@ -99,7 +99,7 @@ def list_documents(store: Store) -> list[DocumentSummary]:
     return [DocumentSummary(name, sorted(vs), max(vs)) for name, vs in sorted(by_name.items())]
 
 
-def find_by_source(store: Store, fingerprint: str, source_sha256: str) -> tuple[str, int] | None:
+def find_by_source(store: Reader, fingerprint: str, source_sha256: str) -> tuple[str, int] | None:
     """The document version published from these exact bytes for this model, if any."""
     try:
         data = store.get(source_index_key(fingerprint, source_sha256))

@@ -114,6 +114,11 @@ class Manifest:
     def token_ids(self) -> list[int]:
         return [t for c in self.chunks for t in c.tokens]
 
+    @property
+    def chain_hash(self) -> str:
+        """The document's identity: its last chunk's chained hash (model, all tokens)."""
+        return self.chunks[-1].hash if self.chunks else ""
+
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,

@@ -20,7 +20,7 @@ from .errors import FormatError, IntegrityError, NotFound
 from .manifest import ObjectRef
 from .models import LoadedModel
 from .profile import CodecProfile, parse_profile, profile_key, profile_pointer_key
-from .store import Store
+from .store import Reader, Store
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVCDN_PROFILE_CACHE", root / "kvcdn" / "profiles"))
 
 
-def load_profile(store: Store, ref: ObjectRef) -> CodecProfile:
+def load_profile(store: Reader, ref: ObjectRef) -> CodecProfile:
     """The profile ``ref`` names, verified against its checksum (cached per process)."""
     with _lock:
         if ref.sha256 in _loaded:

@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 
@@ -36,8 +36,25 @@ def default_store_url() -> str:
     return str(cache / "kvcdn" / "store")
 
 
+class Reader(Protocol):
+    """What reading documents needs: a :class:`Store`, or edges in front of one."""
+
+    url: str
+
+    def get(self, key: str) -> bytes: ...
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str = "") -> list[str]: ...
+
+
 class Store:
     """Keys and bytes under one root of an fsspec filesystem."""
+
+    #: Extra arguments of every read (``cat_file``) on this kind of filesystem.
+    read_kwargs: dict[str, Any] = {}
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str) -> None:
         self.url = url
@@ -78,7 +95,7 @@ class Store:
     # ---- reading ---------------------------------------------------------------
     def get(self, key: str) -> bytes:
         with self._errors(f"reading {key}"):
-            return self.fs.cat_file(self._path(key))
+            return self.fs.cat_file(self._path(key), **self.read_kwargs)
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         """Fetch several keys, concurrently where the filesystem is asynchronous."""
@@ -86,7 +103,7 @@ class Store:
             return {}
         paths = [self._path(k) for k in keys]
         with self._errors(f"reading {len(keys)} objects"):
-            found = self.fs.cat(paths, on_error="return")
+            found = self.fs.cat(paths, on_error="return", **self.read_kwargs)
         out: dict[str, bytes] = {}
         for key, path in zip(keys, paths, strict=True):
             value = found.get(path, found.get(self.fs._strip_protocol(path)))
@@ -104,13 +121,17 @@ class Store:
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix`` (a folder-like prefix ending in ``/``, or empty)."""
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Keys under ``prefix`` (as for :meth:`list`) with their sizes in bytes."""
         base = self._path(prefix.rstrip("/")) if prefix else self.root
         with self._errors(f"listing {prefix or '/'}"):
             try:
-                paths = self.fs.find(base)
+                found = self.fs.find(base, detail=True)
             except FileNotFoundError:
-                return []
-        return sorted(self._key(p) for p in paths)
+                return {}
+        return {self._key(path): int(info.get("size") or 0) for path, info in found.items()}
 
     # ---- writing ---------------------------------------------------------------
     def put(self, key: str, data: bytes) -> None:
@@ -173,8 +194,9 @@ class LocalStore(Store):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def list(self, prefix: str = "") -> list[str]:
-        return [k for k in super().list(prefix) if not k.rsplit("/", 1)[-1].startswith(".")]
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        found = super().list_sizes(prefix)  # without temporary files of unfinished writes
+        return {k: n for k, n in found.items() if not k.rsplit("/", 1)[-1].startswith(".")}
 
     def check(self) -> None:
         root = Path(self.root)
@@ -188,6 +210,10 @@ class LocalStore(Store):
 
 class S3Store(Store):
     """S3 and S3-compatible services through s3fs."""
+
+    # One GET per object: s3fs otherwise sends a HEAD first to decide on
+    # parallel ranged reads, a whole extra round trip on every read.
+    read_kwargs = {"max_concurrency": 1}
 
     def _create(self, path: str, data: bytes) -> bool:
         try:

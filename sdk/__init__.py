@@ -2,9 +2,23 @@
 
 from kvcdn import sdk
 ctx = sdk.load_context("sed-manual", store="s3://bucket/kv")
+# or through edge nodes, falling back to the store:
+ctx = sdk.load_context("sed-manual", edges=["http://edge-a:8080", "http://edge-b:8080"],
+                       store="s3://bucket/kv")
 print(ctx.generate("How do I edit a file in place?").text)
 """
 
 from .context import Answer, Context, LoadPlan, answer_with_prefill, load_context
+from .edges import EdgeAdmin, EdgeStore, plan_warm, rendezvous
 
-__all__ = ["Answer", "Context", "LoadPlan", "answer_with_prefill", "load_context"]
+__all__ = [
+    "Answer",
+    "Context",
+    "EdgeAdmin",
+    "EdgeStore",
+    "LoadPlan",
+    "answer_with_prefill",
+    "load_context",
+    "plan_warm",
+    "rendezvous",
+]

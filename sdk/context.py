@@ -18,7 +18,9 @@ from kvcdn.manifest import NAME_PATTERN, Manifest
 from kvcdn.models import LoadedModel, crop_cache, load_model
 from kvcdn.profiles import load_profile
 from kvcdn.publish import document_text, read_document, source_digest
-from kvcdn.store import Store, open_store
+from kvcdn.store import Reader, Store, open_store
+
+from .edges import EdgeStore
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +41,9 @@ class LoadPlan:
     chunk_levels: list[str]
     bytes: int
     seconds: dict[str, float] = field(default_factory=dict)
+    #: Per chunk, what served its object: an edge URL, "origin" (after every
+    #: edge failed), the store's URL (no edges), or "text" (recomputed).
+    chunk_sources: list[str] = field(default_factory=list)
 
     @property
     def total_seconds(self) -> float:
@@ -96,27 +101,46 @@ def load_context(
     source: str | Path,
     *,
     model: str | LoadedModel | None = None,
-    store: str | Store | None = None,
+    store: str | Reader | None = None,
     level: str | None = None,
     device: str | None = None,
     endpoint_url: str | None = None,
+    edges: list[str] | None = None,
+    edge_token: str | None = None,
 ) -> Context:
     """Load a published document's KV into a model cache.
 
     ``source`` is a document path, its text, or ``name[@version]``. The model
     defaults to the one the document was published with; ``level`` defaults
-    to the best of int8, fp16 the manifest offers.
+    to the calibrated ``default`` level (else the closest the manifest has).
+
+    With ``edges`` (edge node URLs), everything is read through them: each
+    document from the edges its placement prefers, failing over to the next
+    edge on errors and timeouts, and to ``store`` last when one is given
+    (with ``edges`` and no ``store``, only the edges are asked).
+    ``edge_token`` is the edges' read token.
     """
     seconds: dict[str, float] = {}
     t = time.perf_counter()
-    store = store if isinstance(store, Store) else open_store(store, endpoint_url=endpoint_url)
+    reader: Reader
+    if edges:
+        origin = None
+        if isinstance(store, Store):
+            origin = store
+        elif isinstance(store, str):
+            origin = open_store(store, endpoint_url=endpoint_url)
+        reader = EdgeStore(edges, origin, token=edge_token)
+    elif store is None or isinstance(store, str):
+        reader = open_store(store, endpoint_url=endpoint_url)
+    else:
+        reader = store  # a Store, or an EdgeStore the caller configured
     loaded = model if isinstance(model, LoadedModel) else None
     manifest = None
     if isinstance(source, Path) or (isinstance(source, str) and _is_existing_file(source)):
         text, what = read_document(source), str(source)
     elif isinstance(source, str) and _REF.match(source.strip()):
         name, version = catalog.parse_ref(source.strip())
-        manifest = catalog.read_manifest(store, name, version)
+        manifest = catalog.read_manifest(reader, name, version)
     else:
         text, what = document_text(str(source).encode("utf-8"), "the text"), "the text"
     if manifest is None:
@@ -124,13 +148,13 @@ def load_context(
             t_model = time.perf_counter()
             loaded = load_model(model if isinstance(model, str) else None, device)
             t += time.perf_counter() - t_model
-        found = catalog.find_by_source(store, loaded.fingerprint, source_digest(text))
+        found = catalog.find_by_source(reader, loaded.fingerprint, source_digest(text))
         if found is None:
             raise NotFound(
-                f"{what} has not been published for model {loaded.name} in {store.url}; "
+                f"{what} has not been published for model {loaded.name} in {reader.url}; "
                 "publish it first (kvcdn publish)"
             )
-        manifest = catalog.read_manifest(store, *found)
+        manifest = catalog.read_manifest(reader, *found)
     seconds["resolve"] = time.perf_counter() - t
 
     if loaded is None:
@@ -142,7 +166,7 @@ def load_context(
             f"({loaded.fingerprint[:12]}); load it with the model it was published with"
         )
     level = _choose_level(manifest, level)
-    return _assemble(manifest, loaded, store, level, seconds)
+    return _assemble(manifest, loaded, reader, level, seconds)
 
 
 def _is_existing_file(source: str) -> bool:
@@ -169,24 +193,25 @@ def _choose_level(manifest: Manifest, level: str | None) -> str:
 
 
 def _recompute(
-    manifest: Manifest, loaded: LoadedModel, store: Store, seconds: dict[str, float]
+    manifest: Manifest, loaded: LoadedModel, reader: Reader, seconds: dict[str, float]
 ) -> Context:
     """The ``text`` level: prefill the manifest's tokens on the device."""
     t = time.perf_counter()
     cache = loaded.cache_from_kv(loaded.prefill(manifest.token_ids))
     seconds["recompute"] = time.perf_counter() - t
     plan = LoadPlan(
-        store=store.url,
+        store=reader.url,
         level=TEXT_LEVEL,
         chunk_levels=[TEXT_LEVEL] * len(manifest.chunks),
         bytes=0,
         seconds=seconds,
+        chunk_sources=[TEXT_LEVEL] * len(manifest.chunks),
     )
     return Context(manifest, loaded, cache, plan)
 
 
 def _assemble(
-    manifest: Manifest, loaded: LoadedModel, store: Store, level: str, seconds: dict[str, float]
+    manifest: Manifest, loaded: LoadedModel, reader: Reader, level: str, seconds: dict[str, float]
 ) -> Context:
     import torch
 
@@ -198,19 +223,28 @@ def _assemble(
             f"manifest of {manifest.name}@{manifest.version}: chunk hashes do not match its tokens"
         )
     if level == TEXT_LEVEL:
-        return _recompute(manifest, loaded, store, seconds)
+        return _recompute(manifest, loaded, reader, seconds)
     refs = [chunk.objects.get(level) for chunk in manifest.chunks]
     if any(ref is None for ref in refs):
         raise FormatError(f"{manifest.name}@{manifest.version} lacks level {level} for a chunk")
 
     t = time.perf_counter()
-    blobs = store.get_many([ref.key for ref in refs])  # type: ignore[union-attr]
+    keys = [ref.key for ref in refs]  # type: ignore[union-attr]
+    if isinstance(reader, EdgeStore):  # one document's objects live on the same edges
+        fetched = reader.fetch_many(keys, manifest.chain_hash)
+        blobs = {k: f.data for k, f in fetched.items()}
+        sources = [fetched[k].source for k in keys]
+        profile_reader: Reader = reader.placed(manifest.chain_hash)
+    else:
+        blobs = reader.get_many(keys)
+        sources = [reader.url] * len(keys)
+        profile_reader = reader
     seconds["fetch"] = time.perf_counter() - t
 
     t = time.perf_counter()
     profile = None
     if manifest.codec_profile is not None and manifest.levels[level].codec == RANS_CODEC:
-        profile = load_profile(store, manifest.codec_profile)
+        profile = load_profile(profile_reader, manifest.codec_profile)
         profile.check_model(loaded.fingerprint, f"the codec profile of {manifest.name}")
     layout = manifest.kv_layout
     shape = (layout["layers"], 2, layout["kv_heads"], manifest.token_count, layout["head_dim"])
@@ -241,11 +275,12 @@ def _assemble(
     cache = loaded.cache_from_kv(kv)
     seconds["assemble"] = time.perf_counter() - t
     plan = LoadPlan(
-        store=store.url,
+        store=reader.url,
         level=level,
         chunk_levels=[level] * len(refs),
         bytes=sum(ref.bytes for ref in refs if ref is not None),
         seconds=seconds,
+        chunk_sources=sources,
     )
     log.info(
         "loaded %s@%d at %s: %d bytes in %.2f s",

@@ -2,144 +2,33 @@
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import boto3
-import numpy as np
 import pytest
-import torch
 
-from kvcdn.codec import FIXED_LEVELS, encode_chunk
-from kvcdn.manifest import object_key
 from tests.conftest import free_port
+from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get
 
 BUCKET_PREFIX = "kv"
 
 
-def _chunk_object(seed: int) -> tuple[str, bytes]:
-    """A real fp16 chunk container of about 1 MiB, and its store key."""
-    rng = np.random.default_rng(seed)
-    kv = torch.from_numpy(rng.standard_normal((4, 2, 2, 256, 64)).astype(np.float32))
-    chunk_hash = f"{seed:064x}"
-    level = FIXED_LEVELS["fp16"]
-    return object_key(chunk_hash, level.id), encode_chunk(level, kv, chunk_hash)
-
-
 @pytest.fixture
 def origin(moto_endpoint):
-    """A fresh bucket with real chunk objects; ``count(key)`` reads moto's own request log."""
-    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
-    bucket = f"edge-{uuid.uuid4().hex[:12]}"
-    client.create_bucket(Bucket=bucket)
-    objects = dict(_chunk_object(i) for i in range(1, 7))
-    for key, data in objects.items():
-        client.put_object(Bucket=bucket, Key=f"{BUCKET_PREFIX}/{key}", Body=data)
-
-    def start_recording() -> None:
-        for action in ("stop-recording", "reset-recording", "start-recording"):
-            _post(f"{moto_endpoint}/moto-api/recorder/{action}")
-
-    def origin_gets(key: str) -> int:
-        rec = urllib.request.urlopen(f"{moto_endpoint}/moto-api/recorder/download-recording")
-        path = f"/{bucket}/{BUCKET_PREFIX}/{key}"
-        return sum(
-            1
-            for line in rec.read().decode().splitlines()
-            if line.strip()
-            and json.loads(line)["method"] == "GET"
-            and json.loads(line)["url"].split("?")[0].endswith(path)
-        )
-
-    class Origin:
-        url = f"s3://{bucket}/{BUCKET_PREFIX}"
-        endpoint = moto_endpoint
-
-    o = Origin()
-    o.objects = objects
-    o.start_recording = start_recording
-    o.origin_gets = origin_gets
+    """A fresh bucket with real chunk objects; GETs are counted by moto itself."""
+    o = MotoOrigin(moto_endpoint, BUCKET_PREFIX)
+    o.objects = dict(chunk_object(i) for i in range(1, 7))
+    for key, data in o.objects.items():
+        o.client.put_object(Bucket=o.bucket, Key=f"{BUCKET_PREFIX}/{key}", Body=data)
     yield o
-    for action in ("stop-recording", "reset-recording"):  # the server is shared by the session
-        _post(f"{moto_endpoint}/moto-api/recorder/{action}")
-
-
-def _post(url: str) -> None:
-    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
-
-
-class EdgeProcess:
-    """``kvcdn edge serve`` in its own process."""
-
-    def __init__(self, origin_url: str, cache_dir: Path, endpoint: str | None, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [
-            sys.executable,
-            "-m",
-            "kvcdn.cli.main",
-            "edge",
-            "serve",
-            "--origin",
-            origin_url,
-            "--cache-dir",
-            str(cache_dir),
-            "--listen",
-            f"127.0.0.1:{self.port}",
-            "--origin-timeout",
-            "5",
-            *(["--endpoint-url", endpoint] if endpoint else []),
-            *extra,
-        ]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> EdgeProcess:
-        self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy()
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"edge exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                urllib.request.urlopen(f"{self.url}/healthz", timeout=1).read()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("edge did not start")
-
-    def kill(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=20)
-
-    def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
-        return {
-            line.split()[0]: float(line.split()[1])
-            for line in text.splitlines()
-            if line and not line.startswith("#")
-        }
-
-
-def get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):
-    req = urllib.request.Request(url, headers=headers or {}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
+    o.stop_recording()
 
 
 @pytest.fixture
@@ -211,7 +100,7 @@ def test_origin_down_cached_objects_still_served_misses_get_502(tmp_path):
     endpoint = f"http://127.0.0.1:{port}"
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     client.create_bucket(Bucket="down")
-    objects = dict(_chunk_object(i) for i in (11, 12))
+    objects = dict(chunk_object(i) for i in (11, 12))
     for key, data in objects.items():
         client.put_object(Bucket="down", Key=f"kv/{key}", Body=data)
     node = EdgeProcess("s3://down/kv", tmp_path / "cache", endpoint).start()
@@ -254,7 +143,7 @@ class _SlowOrigin(BaseHTTPRequestHandler):
 
 
 def test_edge_killed_mid_download_never_serves_a_partial_object(tmp_path):
-    key, data = _chunk_object(21)
+    key, data = chunk_object(21)
     _SlowOrigin.objects = {key: data}
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowOrigin)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -262,7 +151,12 @@ def test_edge_killed_mid_download_never_serves_a_partial_object(tmp_path):
     cache = tmp_path / "cache"
     node = EdgeProcess(origin_url, cache, None).start()
     try:
-        client = threading.Thread(target=get, args=(f"{node.url}/{key}",), daemon=True)
+
+        def doomed_get() -> None:
+            with contextlib.suppress(OSError):  # the edge dies under this request
+                get(f"{node.url}/{key}")
+
+        client = threading.Thread(target=doomed_get, daemon=True)
         client.start()
         assert _SlowOrigin.started.wait(10)
         node.kill(signal.SIGKILL)  # mid-download, no cleanup

@@ -1,0 +1,344 @@
+"""Reading through edge nodes: placement, failover, and warming.
+
+Placement is rendezvous (highest-random-weight) hashing: every edge gets a
+weight ``sha256(edge, key)`` and a key's edges are the edges in descending
+weight. A document's chunk objects (and its codec profile) are placed by the
+document's chain hash, so they stay together on one edge, and adding an
+edge moves only the documents that now weigh most on it. A document's
+manifest is placed by its name, the one thing known before the manifest is.
+
+:class:`EdgeStore` reads keys from the placed edges in order, moving on after
+a connection error, a timeout or a 5xx, and finally from the origin store if
+one is given. Each read reports its source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import urllib3
+
+from kvcdn.errors import InputError, NotFound, StoreError
+from kvcdn.manifest import Manifest, manifest_key
+from kvcdn.store import Store
+
+log = logging.getLogger(__name__)
+
+DOWN_S = 5.0  # after a connection failure, an edge is tried last for this long
+_EDGE_URL = re.compile(r"^https?://[^/\s?#]+(/[^\s?#]*)?$")
+_DOC_KEY = re.compile(r"^docs/([^/]+)/")
+
+
+def rendezvous(edges: Sequence[str], key: str) -> list[str]:
+    """``edges`` in the order ``key`` prefers them (highest random weight first)."""
+
+    def weight(edge: str) -> int:
+        digest = hashlib.sha256(f"{edge}\0{key}".encode()).digest()
+        return int.from_bytes(digest[:8], "big")
+
+    return sorted(edges, key=weight, reverse=True)
+
+
+def placement_key(key: str) -> str:
+    """What a store key is placed by when the caller gives nothing better."""
+    match = _DOC_KEY.match(key)
+    return match.group(1) if match else key
+
+
+def check_edges(edges: Sequence[str]) -> list[str]:
+    """Normalised edge URLs; :class:`InputError` for anything that is not one."""
+    out = []
+    for edge in edges:
+        url = edge.strip().rstrip("/")
+        if not _EDGE_URL.match(url):
+            raise InputError(f"{edge!r} is not an edge URL (http://host:port)")
+        if url not in out:
+            out.append(url)
+    if not out:
+        raise InputError("no edge URL given")
+    return out
+
+
+@dataclass
+class Fetched:
+    key: str
+    data: bytes
+    source: str  # an edge URL, or "origin"
+    seconds: float
+
+
+class EdgeStore:
+    """Store keys read through edges, with failover to the next edge and to ``origin``.
+
+    It reads like a :class:`~kvcdn.store.Store` (``get``, ``get_many``,
+    ``exists``, ``list``), so documents resolve through it unchanged, and
+    :meth:`fetch_many` also says which source served each key.
+    """
+
+    def __init__(
+        self,
+        edges: Sequence[str],
+        origin: Store | None = None,
+        *,
+        token: str | None = None,
+        connect_timeout_s: float = 1.0,
+        read_timeout_s: float = 30.0,
+        concurrency: int = 8,
+    ) -> None:
+        self.edges = check_edges(edges)
+        self.origin = origin
+        self.url = ", ".join(self.edges) + (f" (origin {origin.url})" if origin else "")
+        self.concurrency = concurrency
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = urllib3.PoolManager(
+            num_pools=max(4, len(self.edges)),
+            maxsize=concurrency,
+            retries=False,  # failing over is this class's job
+            timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
+        )
+        self._down: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"EdgeStore({self.url!r})"
+
+    def order(self, placement: str) -> list[str]:
+        """The edges to try for ``placement``: by weight, recently failed ones last."""
+        now = time.monotonic()
+        with self._lock:
+            down = {e for e, until in self._down.items() if until > now}
+        ranked = rendezvous(self.edges, placement)
+        return [e for e in ranked if e not in down] + [e for e in ranked if e in down]
+
+    # ---- reading ---------------------------------------------------------------
+    def fetch(self, key: str, placement: str | None = None) -> Fetched:
+        started = time.perf_counter()
+        failures = []
+        for edge in self.order(placement or placement_key(key)):
+            try:
+                resp = self._http.request("GET", f"{edge}/{quote(key)}", headers=self._headers)
+            except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out, cut short
+                with self._lock:
+                    self._down[edge] = time.monotonic() + DOWN_S
+                failures.append(f"{edge}: {exc}")
+                log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
+                continue
+            if resp.status == 200:
+                return Fetched(key, resp.data, edge, time.perf_counter() - started)
+            reason = resp.data[:300].decode("utf-8", "replace").strip()
+            if resp.status == 404:
+                raise NotFound(f"{key}: not found (edge {edge}: {reason})")
+            if resp.status in (401, 403):
+                raise StoreError(
+                    f"edge {edge} refused to serve {key} ({resp.status}); check the edge token"
+                )
+            if resp.status < 500:
+                raise StoreError(f"edge {edge} answered {resp.status} for {key}: {reason}")
+            failures.append(f"{edge}: {resp.status} {reason}")
+            log.warning(
+                "edge %s answered %d for %s, trying the next source", edge, resp.status, key
+            )
+        if self.origin is not None:
+            data = self.origin.get(key)
+            return Fetched(key, data, "origin", time.perf_counter() - started)
+        raise StoreError(f"no edge could serve {key}: {'; '.join(failures)}")
+
+    def fetch_many(self, keys: list[str], placement: str | None = None) -> dict[str, Fetched]:
+        """Fetch ``keys`` concurrently (bounded), each with failover."""
+        if len(keys) <= 1:
+            return {k: self.fetch(k, placement) for k in keys}
+        with ThreadPoolExecutor(min(self.concurrency, len(keys))) as pool:
+            done = list(pool.map(lambda k: self.fetch(k, placement), keys))
+        return {f.key: f for f in done}
+
+    def placed(self, placement: str) -> PlacedReader:
+        """A reader that places every key by ``placement`` (a document's chain hash)."""
+        return PlacedReader(self, placement)
+
+    def get(self, key: str) -> bytes:
+        return self.fetch(key).data
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        return {k: f.data for k, f in self.fetch_many(keys).items()}
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.fetch(key)
+        except NotFound:
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix``: from the origin when there is one, else an edge's listing."""
+        if self.origin is not None:
+            return self.origin.list(prefix)
+        failures = []
+        for edge in self.order(placement_key(prefix)):
+            keys: list[str] = []
+            fields: dict[str, str] = {"list-type": "2", "prefix": prefix}
+            try:
+                while True:
+                    resp = self._http.request(
+                        "GET", f"{edge}/", fields=fields, headers=self._headers
+                    )
+                    if resp.status != 200:
+                        raise StoreError(f"answered {resp.status}")
+                    page, token = _parse_listing(resp.data)
+                    keys += page
+                    if token is None:
+                        return sorted(keys)
+                    fields["continuation-token"] = token
+            except (urllib3.exceptions.HTTPError, StoreError, ValueError) as exc:
+                failures.append(f"{edge}: {exc}")
+        raise StoreError(f"no edge could list {prefix or '/'}: {'; '.join(failures)}")
+
+
+class PlacedReader:
+    """An :class:`EdgeStore` whose reads all follow one document's placement."""
+
+    def __init__(self, edges: EdgeStore, placement: str) -> None:
+        self._edges = edges
+        self._placement = placement
+        self.url = edges.url
+
+    def get(self, key: str) -> bytes:
+        return self._edges.fetch(key, self._placement).data
+
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        return {k: f.data for k, f in self._edges.fetch_many(keys, self._placement).items()}
+
+    def exists(self, key: str) -> bool:
+        return self._edges.exists(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self._edges.list(prefix)
+
+
+def _parse_listing(data: bytes) -> tuple[list[str], str | None]:
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(data)
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    keys = [item.findtext(f"{ns}Key", "") for item in root.iter(f"{ns}Contents")]
+    truncated = root.findtext(f"{ns}IsTruncated", "false") == "true"
+    return keys, root.findtext(f"{ns}NextContinuationToken") if truncated else None
+
+
+# ---- warming ---------------------------------------------------------------------
+
+
+@dataclass
+class WarmAssignment:
+    """The keys one edge is asked to hold, and the documents they belong to."""
+
+    edge: str
+    keys: list[str]
+    documents: list[str]
+    bytes: int  # the size of the keys' objects, where the manifest says it
+
+
+def warm_keys(manifest: Manifest, levels: Sequence[str] | None = None) -> tuple[list[str], int]:
+    """The chunk objects of ``levels`` (default: every stored level) and the codec
+    profile, with their total size."""
+    stored = [name for name in manifest.levels if any(name in c.objects for c in manifest.chunks)]
+    chosen = list(levels) if levels else stored
+    missing = [name for name in chosen if name not in stored]
+    if missing:
+        raise InputError(
+            f"{manifest.name}@{manifest.version} has no stored level {', '.join(missing)} "
+            f"(it has {', '.join(stored) or 'none'})"
+        )
+    keys: list[str] = []
+    size = 0
+    if manifest.codec_profile is not None:
+        keys.append(manifest.codec_profile.key)
+        size += manifest.codec_profile.bytes
+    for chunk in manifest.chunks:
+        for name in chosen:
+            ref = chunk.objects[name]
+            keys.append(ref.key)
+            size += ref.bytes
+    return keys, size
+
+
+def plan_warm(
+    manifests: Sequence[Manifest],
+    edges: Sequence[str],
+    levels: Sequence[str] | None = None,
+    replicas: int = 1,
+) -> list[WarmAssignment]:
+    """Which keys each edge should hold so that readers find them where they look."""
+    edges = check_edges(edges)
+    if not 1 <= replicas <= len(edges):
+        raise InputError(f"replicas must be between 1 and the number of edges ({len(edges)})")
+    by_edge: dict[str, WarmAssignment] = {e: WarmAssignment(e, [], [], 0) for e in edges}
+    for manifest in manifests:
+        ref = f"{manifest.name}@{manifest.version}"
+        keys, size = warm_keys(manifest, levels)
+        version_key = manifest_key(manifest.name, manifest.version)
+        for edge in rendezvous(edges, manifest.name)[:replicas]:
+            by_edge[edge].keys.append(version_key)
+        for edge in rendezvous(edges, manifest.chain_hash)[:replicas]:
+            target = by_edge[edge]
+            target.keys += keys
+            target.bytes += size
+            target.documents.append(ref)
+    for target in by_edge.values():
+        target.keys = list(dict.fromkeys(target.keys))  # a shared profile once per edge
+    return [t for t in by_edge.values() if t.keys]
+
+
+class EdgeAdmin:
+    """The admin side of edges: start warm jobs and follow them."""
+
+    def __init__(self, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = urllib3.PoolManager(retries=False, timeout=timeout_s)
+
+    def _call(self, method: str, url: str, body: Any = None) -> dict[str, Any]:
+        import json
+
+        try:
+            if body is None:
+                resp = self._http.request(method, url, headers=self._headers)
+            else:
+                resp = self._http.request(method, url, json=body, headers=self._headers)
+        except urllib3.exceptions.HTTPError as exc:
+            raise StoreError(f"cannot reach {url}: {exc}") from None
+        if resp.status in (401, 403):
+            raise StoreError(f"{url} refused the admin token ({resp.status})")
+        if resp.status not in (200, 202):
+            reason = resp.data[:300].decode("utf-8", "replace").strip()
+            raise StoreError(f"{url} answered {resp.status}: {reason}")
+        try:
+            return json.loads(resp.data)
+        except ValueError:
+            raise StoreError(f"{url} did not answer JSON; is it a kvcdn edge?") from None
+
+    def warm(self, edge: str, keys: list[str]) -> dict[str, Any]:
+        """Start (or find, if the same keys are being warmed) a warm job; its status."""
+        return self._call("POST", f"{edge}/warm", {"keys": keys})
+
+    def job(self, edge: str, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"{edge}/warm/{job_id}")
+
+
+__all__ = [
+    "EdgeAdmin",
+    "EdgeStore",
+    "Fetched",
+    "WarmAssignment",
+    "check_edges",
+    "plan_warm",
+    "rendezvous",
+    "warm_keys",
+]

@@ -1,0 +1,153 @@
+"""Edge nodes as real processes, and real chunk objects, for the edge tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcdn.codec import FIXED_LEVELS, encode_chunk
+from kvcdn.manifest import object_key
+from tests.conftest import free_port
+
+
+def chunk_object(seed: int) -> tuple[str, bytes]:
+    """A real fp16 chunk container of about 1 MiB, and its store key."""
+    rng = np.random.default_rng(seed)
+    kv = torch.from_numpy(rng.standard_normal((4, 2, 2, 256, 64)).astype(np.float32))
+    chunk_hash = f"{seed:064x}"
+    level = FIXED_LEVELS["fp16"]
+    return object_key(chunk_hash, level.id), encode_chunk(level, kv, chunk_hash)
+
+
+class MotoOrigin:
+    """A fresh bucket on moto's server; origin-side GETs read from moto's request recorder."""
+
+    def __init__(self, endpoint: str, prefix: str) -> None:
+        import boto3
+
+        self.endpoint = endpoint
+        self.prefix = prefix
+        self.bucket = f"edge-{uuid.uuid4().hex[:12]}"
+        self.url = f"s3://{self.bucket}/{prefix}"
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        self.client.create_bucket(Bucket=self.bucket)
+        self.objects: dict[str, bytes] = {}
+
+    def start_recording(self) -> None:
+        for action in ("stop-recording", "reset-recording", "start-recording"):
+            post(f"{self.endpoint}/moto-api/recorder/{action}")
+
+    def stop_recording(self) -> None:  # the server is shared by the whole session
+        for action in ("stop-recording", "reset-recording"):
+            post(f"{self.endpoint}/moto-api/recorder/{action}")
+
+    def origin_gets(self, key: str) -> int:
+        """GETs of store key ``key`` that reached the origin since recording started."""
+        url = f"{self.endpoint}/moto-api/recorder/download-recording"
+        path = f"/{self.bucket}/{self.prefix}/{key}"
+        with urllib.request.urlopen(url, timeout=10) as rec:
+            lines = [json.loads(line) for line in rec.read().decode().splitlines() if line.strip()]
+        return sum(
+            1 for r in lines if r["method"] == "GET" and r["url"].split("?")[0].endswith(path)
+        )
+
+
+class EdgeProcess:
+    """``kvcdn edge serve`` in its own process."""
+
+    def __init__(
+        self,
+        origin_url: str,
+        cache_dir: Path,
+        endpoint: str | None,
+        *extra: str,
+        port: int | None = None,
+    ):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable,
+            "-m",
+            "kvcdn.cli.main",
+            "edge",
+            "serve",
+            "--origin",
+            origin_url,
+            "--cache-dir",
+            str(cache_dir),
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--origin-timeout",
+            "5",
+            *(["--endpoint-url", endpoint] if endpoint else []),
+            *extra,
+        ]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> EdgeProcess:
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy()
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"edge exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                urllib.request.urlopen(f"{self.url}/healthz", timeout=1).read()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("edge did not start")
+
+    def kill(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=20)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
+        return {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
+
+def get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):
+    req = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def post_json(url: str, body: Any, headers: dict[str, str] | None = None):
+    """POST JSON; (status, decoded JSON or text)."""
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def post(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=10).read()
