@@ -288,3 +288,43 @@ def _same_cache(ctx, reference) -> bool:
         and torch.equal(ctx.cache.layers[i].values, reference.cache.layers[i].values)
         for i in range(len(reference.cache.layers))
     )
+
+
+def test_tiered_edges_fetch_from_the_parent_once(published, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("read-token\n")
+    auth = {"Authorization": "Bearer read-token"}
+    parent = EdgeProcess(
+        published.url, tmp_path / "parent", published.endpoint, "--token-file", str(token)
+    ).start()
+    children = [  # their own origin is dead: what they serve came through the parent
+        EdgeProcess(
+            "http://127.0.0.1:9",
+            tmp_path / f"child{i}",
+            None,
+            "--bucket",
+            published.bucket,
+            "--parent",
+            parent.url,
+            "--token-file",
+            str(token),
+        ).start()
+        for i in range(2)
+    ]
+    try:
+        ref = published.manifest.chunks[0].objects["fp16"]
+        published.start_recording()
+        for child in children:
+            status, _, body = get(f"{child.url}/{ref.key}", auth)
+            assert status == 200 and hashlib.sha256(body).hexdigest() == ref.sha256
+        assert published.origin_gets(ref.key) == 1  # the parent fetched it once for both
+        pm = parent.metrics()
+        assert (pm["kvcdn_edge_misses_total"], pm["kvcdn_edge_hits_total"]) == (1, 1)
+        # Listings pass through the parent too (GET /?list-type=2 at its root).
+        status, _, body = get(
+            f"{children[0].url}/{published.bucket}?list-type=2&prefix=docs/", auth
+        )
+        assert status == 200 and b"<Key>docs/sed-intro/latest.json</Key>" in body
+    finally:
+        for node in (*children, parent):
+            node.kill()
