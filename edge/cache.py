@@ -5,7 +5,14 @@ key whose sha256 is ``d``, and ``objects/{d[:2]}/{d}.meta`` a small JSON
 record (key, size, etag). Both are written to a temporary name and renamed,
 data first, so a crash leaves either a whole entry, an orphan data file
 (removed at start), or nothing. The in-memory index is rebuilt from the meta
-files at start, in order of last use (file mtimes, which hits refresh).
+files at start, in order of last use (the meta files' mtimes, which hits
+refresh; the data files are never touched, so their ctime changes only when
+their bytes do).
+
+Writes are not fsynced. A power cut may leave a renamed file whose bytes never
+reached the disk, but the server re-verifies every entry at its first use
+after a start (:attr:`Entry.verified` lives in memory only), so such a file is
+dropped and refetched, never served; the fsyncs would only slow misses down.
 
 A full disk stops caching, not serving: on ``ENOSPC`` the cache turns itself
 read-only for a while and the server streams misses straight through.
@@ -29,12 +36,27 @@ log = logging.getLogger(__name__)
 FULL_DISK_BACKOFF_S = 30.0
 
 
+TOUCH_EVERY_S = 10.0  # recency is written to disk at most this often per entry
+
+#: What identifies one state of a file's bytes: (inode, size, mtime, ctime) in
+#: ns. Any write to the file changes its ctime, which user space cannot set back.
+Stamp = tuple[int, int, int, int]
+
+
+def stamp_of(st: os.stat_result) -> Stamp:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 @dataclass
 class Entry:
     key: str
     size: int
     etag: str
     path: Path
+    #: The stamp of the data file when its bytes were last verified in this
+    #: process; None until then. Serving skips re-hashing while it matches.
+    verified: Stamp | None = None
+    touched: float = 0.0
 
 
 class DiskCache:
@@ -59,7 +81,8 @@ class DiskCache:
                 st = data_path.stat()
                 if st.st_size != meta["size"] or _digest(meta["key"]) != data_path.name:
                     raise ValueError("size or name does not match")
-                found.append((st.st_mtime, Entry(meta["key"], st.st_size, meta["etag"], data_path)))
+                used = meta_path.stat().st_mtime
+                found.append((used, Entry(meta["key"], st.st_size, meta["etag"], data_path)))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("dropping damaged cache entry %s: %s", meta_path, exc)
                 _unlink(meta_path)
@@ -89,9 +112,11 @@ class DiskCache:
             entry = self._index.get(key)
             if entry is not None:
                 self._index.move_to_end(key)
-        if entry is not None:
+        now = time.monotonic()
+        if entry is not None and now - entry.touched > TOUCH_EVERY_S:
+            entry.touched = now
             try:
-                os.utime(entry.path)  # recency survives a restart
+                os.utime(entry.path.with_suffix(".meta"))  # recency survives a restart
             except OSError:
                 pass
         return entry
@@ -105,7 +130,8 @@ class DiskCache:
 
     # ---- changes -------------------------------------------------------------
     def store(self, key: str, data: bytes, etag: str) -> bool:
-        """Cache ``data`` for ``key``; False when not cached (too big, disk full)."""
+        """Cache ``data`` (verified bytes) for ``key``; False when not cached (too big,
+        disk full)."""
         if len(data) > self.max_bytes or time.monotonic() < self._read_only_until:
             return False
         digest = _digest(key)
@@ -116,6 +142,7 @@ class DiskCache:
         try:
             folder.mkdir(exist_ok=True)
             _write_atomic(tmp, data_path, data)
+            written = stamp_of(data_path.stat())
             meta = json.dumps({"key": key, "size": len(data), "etag": etag}).encode()
             _write_atomic(tmp, meta_path, meta)
         except OSError as exc:
@@ -130,7 +157,7 @@ class DiskCache:
             old = self._index.pop(key, None)
             if old is not None:
                 self._bytes -= old.size
-            self._index[key] = Entry(key, len(data), etag, data_path)
+            self._index[key] = Entry(key, len(data), etag, data_path, verified=written)
             self._bytes += len(data)
         self._evict()
         return True
@@ -164,8 +191,6 @@ def _digest(key: str) -> str:
 def _write_atomic(tmp: Path, final: Path, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, final)
 
 

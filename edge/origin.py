@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import aiohttp
 
 from kvcdn.errors import NotFound
 from kvcdn.store import open_store
+
+FETCH_THREADS = 64
 
 
 class OriginMissing(Exception):
@@ -43,10 +46,16 @@ class StoreOrigin:
         self.url = url
         self.timeout_s = timeout_s
         self._store = open_store(url)
+        # The store's client blocks; its own pool keeps many fetches in flight
+        # (the default executor has only a few threads, shared with hashing).
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="origin")
 
     async def fetch(self, key: str) -> bytes:
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self._store.get, key), self.timeout_s)
+            return await asyncio.wait_for(
+                loop.run_in_executor(self._pool, self._store.get, key), self.timeout_s
+            )
         except NotFound:
             raise OriginMissing(key) from None
         except asyncio.TimeoutError:
@@ -58,7 +67,10 @@ class StoreOrigin:
         folder = prefix[: prefix.rfind("/") + 1]  # the store lists folder-like prefixes
         try:
             found = await asyncio.wait_for(
-                asyncio.to_thread(self._store.list_sizes, folder), self.timeout_s
+                asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._store.list_sizes, folder
+                ),
+                self.timeout_s,
             )
         except asyncio.TimeoutError:
             raise OriginFailed(
@@ -69,7 +81,7 @@ class StoreOrigin:
         return {k: n for k, n in found.items() if k.startswith(prefix)}
 
     async def close(self) -> None:
-        return None
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class HTTPOrigin:

@@ -16,13 +16,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
-from .cache import DiskCache
+from .cache import DiskCache, Entry, stamp_of
 from .origin import Origin, OriginFailed, OriginMissing
 from .s3api import (
     ERROR_CODES,
@@ -33,7 +36,7 @@ from .s3api import (
     list_page,
     list_xml,
 )
-from .verify import VerifyError, cache_control, check_key, etag, verify
+from .verify import VerifyError, cache_control, check_key, verify
 from .warm import Warmer
 
 log = logging.getLogger(__name__)
@@ -91,7 +94,8 @@ class Edge:
         self.metrics = Metrics()
         self._warm_concurrency = warm_concurrency
         self.warmer: Warmer | None = None  # made on start-up, inside the event loop
-        self._inflight: dict[str, asyncio.Future[tuple[bytes, str]]] = {}
+        self._inflight: dict[str, asyncio.Task[tuple[bytes, str]]] = {}
+        self._keeping: dict[str, asyncio.Task[None]] = {}  # disk writes after a fill
         self._pointers: dict[str, tuple[float, bytes, str]] = {}
         self._listings: dict[str, tuple[float, dict[str, int]]] = {}
 
@@ -245,13 +249,22 @@ class Edge:
         self, request: web.Request, key: str, kind: str, *, s3: bool
     ) -> web.StreamResponse:
         try:
-            data, tag = await self._object(key, kind)
+            found = await self._object(key, kind)
         except FetchError as exc:  # a fresh response per request, even for shared failures
             if s3:
                 return _s3_error(
                     exc.status, ERROR_CODES.get(exc.status, "InternalError"), str(exc), key
                 )
             return web.Response(status=exc.status, text=f"{exc}\n")
+        try:
+            return self._answer(request, key, kind, found, s3)
+        finally:
+            found.release()  # _FileBody takes its own handle; anything unsent is closed here
+
+    def _answer(
+        self, request: web.Request, key: str, kind: str, found: Found, s3: bool
+    ) -> web.StreamResponse:
+        tag, size = found.etag, found.size
         headers = {"ETag": tag, "Cache-Control": cache_control(kind), "Accept-Ranges": "bytes"}
         if_match = request.headers.get("If-Match")
         if if_match is not None and not _matches(if_match, tag):
@@ -261,22 +274,25 @@ class Edge:
         if _matches(request.headers.get("If-None-Match"), tag):
             return web.Response(status=304, headers=headers)
         content_type = "application/json" if key.endswith(".json") else "application/octet-stream"
-        status, body = 200, data
+        status, start, end = 200, 0, size - 1
         spec = request.headers.get("Range")
-        span = None
         if spec is not None and _matches(request.headers.get("If-Range", tag), tag):
-            span = _parse_range(spec, len(data))
+            span = _parse_range(spec, size)
             if span == "unsatisfiable":
-                headers["Content-Range"] = f"bytes */{len(data)}"
+                headers["Content-Range"] = f"bytes */{size}"
                 if s3:
                     return _s3_error(416, "InvalidRange", "the range is not satisfiable", key)
                 return web.Response(status=416, headers=headers)
-        if isinstance(span, tuple) and span != (0, len(data) - 1):
-            start, end = span
-            status, body = 206, data[start : end + 1]
-            headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+            if isinstance(span, tuple) and span != (0, size - 1):
+                status, (start, end) = 206, span
+                headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         if request.method != "HEAD":
-            self.metrics.bytes_served += len(body)
+            self.metrics.bytes_served += end + 1 - start
+        if found.file is not None:
+            return _FileBody(
+                found.take_file(), start, end + 1 - start, status, headers, content_type
+            )
+        body = found.data if (start, end) == (0, size - 1) else found.data[start : end + 1]
         return web.Response(status=status, body=body, headers=headers, content_type=content_type)
 
     # ---- warming -------------------------------------------------------------
@@ -333,6 +349,9 @@ class Edge:
             data, _ = await self._miss(key, kind)
         except FetchError as exc:
             raise RuntimeError(f"{exc} ({exc.status})") from None
+        keeping = self._keeping.get(key)
+        if keeping is not None:  # "done" means on disk, not only fetched
+            await asyncio.shield(keeping)
         return "fetched", len(data)
 
     def _authorise(self, request: web.Request, token: str | None) -> None:
@@ -345,45 +364,85 @@ class Edge:
                 headers={"WWW-Authenticate": 'Bearer realm="kvcdn-edge"'},
             )
 
-    async def _object(self, key: str, kind: str) -> tuple[bytes, str]:
+    async def _object(self, key: str, kind: str) -> Found:
         if kind == "pointer":
             cached = self._pointers.get(key)
             if cached and time.monotonic() - cached[0] < POINTER_TTL_S:
                 self.metrics.hits += 1
-                return cached[1], cached[2]
+                return Found(cached[2], len(cached[1]), data=cached[1])
         else:
             entry = self.cache.lookup(key)
             if entry is not None:
-                data = await asyncio.to_thread(self.cache.read, entry)
-                if data is not None:
-                    try:
-                        await asyncio.to_thread(verify, key, kind, data)
-                        self.metrics.hits += 1
-                        return data, entry.etag
-                    except VerifyError as exc:
-                        self.metrics.verify_failures += 1
-                        log.warning("cached copy of %s is damaged, refetching: %s", key, exc)
-                        self.cache.drop(key)
-        return await self._miss(key, kind)
+                found = await self._open_cached(entry, kind)
+                if found is not None:
+                    self.metrics.hits += 1
+                    return found
+        data, tag = await self._miss(key, kind)
+        return Found(tag, len(data), data=data)
+
+    async def _open_cached(self, entry: Entry, kind: str) -> Found | None:
+        """The cached bytes of ``entry``: sent from the file (sendfile) while the file
+        is as it was when last verified; read and verified again otherwise (the
+        first use after a start, or a file someone changed)."""
+        try:
+            f = open(entry.path, "rb")  # noqa: SIM115 (handed to the response, which closes it)
+            stamp = stamp_of(os.fstat(f.fileno()))
+        except OSError as exc:
+            log.warning("cached copy of %s is unreadable, refetching: %s", entry.key, exc)
+            self.cache.drop(entry.key)
+            return None
+        if stamp == entry.verified:
+            return Found(entry.etag, stamp[1], file=f)
+        try:
+            data, tag = await asyncio.to_thread(_read_verified, f, entry.key, kind)
+            after = stamp_of(os.fstat(f.fileno()))
+        except (OSError, VerifyError) as exc:
+            self.metrics.verify_failures += isinstance(exc, VerifyError)
+            log.warning("cached copy of %s is damaged, refetching: %s", entry.key, exc)
+            self.cache.drop(entry.key)
+            return None
+        finally:
+            f.close()
+        if after == stamp and tag == entry.etag:
+            entry.verified = stamp
+        return Found(entry.etag, len(data), data=data)
 
     async def _miss(self, key: str, kind: str) -> tuple[bytes, str]:
         """Fetch ``key`` once for everyone who asks while the fetch runs."""
-        waiting = self._inflight.get(key)
-        if waiting is not None:
+        task = self._inflight.get(key)
+        if task is None:
+            self.metrics.misses += 1
+            # The fetch is a task of its own: a client that goes away does not
+            # cancel the fetch that other clients are waiting for.
+            task = asyncio.get_running_loop().create_task(self._fill(key, kind))
+            task.add_done_callback(_retrieve)
+            self._inflight[key] = task
+        else:
             self.metrics.coalesced += 1
-            return await asyncio.shield(waiting)
-        self.metrics.misses += 1
-        future: asyncio.Future[tuple[bytes, str]] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
+        return await asyncio.shield(task)
+
+    async def _fill(self, key: str, kind: str) -> tuple[bytes, str]:
         try:
-            result = await self._fetch(key, kind)
-            future.set_result(result)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters re-raise it themselves
-        finally:
+            data, tag = await self._fetch(key, kind)
+        except BaseException:
             del self._inflight[key]
-        return await future
+            raise
+        if kind == "pointer":
+            self._pointers[key] = (time.monotonic(), data, tag)
+            del self._inflight[key]
+        else:
+            # Clients are answered now; the disk write follows. Until it is done,
+            # the finished task stays in _inflight and serves later requests.
+            keeping = asyncio.get_running_loop().create_task(self._keep(key, data, tag))
+            self._keeping[key] = keeping
+        return data, tag
+
+    async def _keep(self, key: str, data: bytes, tag: str) -> None:
+        try:
+            await asyncio.to_thread(self.cache.store, key, data, tag)
+        finally:
+            self._inflight.pop(key, None)
+            self._keeping.pop(key, None)
 
     async def _fetch(self, key: str, kind: str) -> tuple[bytes, str]:
         last: Exception | None = None
@@ -401,22 +460,88 @@ class Edge:
                 self.metrics.origin_fetches += 1
                 self.metrics.origin_seconds += time.perf_counter() - start
             try:
-                await asyncio.to_thread(verify, key, kind, data)
+                tag = await asyncio.to_thread(verify, key, kind, data)
             except VerifyError as exc:
                 self.metrics.verify_failures += 1
                 log.error("origin %s sent bad bytes for %s: %s", origin.url, key, exc)
                 last = OriginFailed(f"{origin.url} sent bytes that fail verification: {exc}")
                 continue
-            tag = etag(data)
-            if kind == "pointer":
-                self._pointers[key] = (time.monotonic(), data, tag)
-            else:
-                await asyncio.to_thread(self.cache.store, key, data, tag)
             return data, tag
         assert last is not None
         if isinstance(last, OriginFailed) and last.timeout:
             raise FetchError(504, f"origin timed out fetching {key}: {last}")
         raise FetchError(502, f"cannot fetch {key}: {last}")
+
+
+class Found:
+    """An object to send: its bytes in memory, or an open file of verified bytes."""
+
+    def __init__(
+        self, etag: str, size: int, *, data: bytes = b"", file: BinaryIO | None = None
+    ) -> None:
+        self.etag = etag
+        self.size = size
+        self.data = data
+        self.file = file
+
+    def take_file(self) -> BinaryIO:
+        assert self.file is not None
+        f, self.file = self.file, None
+        return f
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class _FileBody(web.StreamResponse):
+    """A byte range of an open file, sent with sendfile(2): no copies through Python."""
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        offset: int,
+        count: int,
+        status: int,
+        headers: dict[str, str],
+        content_type: str,
+    ) -> None:
+        super().__init__(status=status, headers=headers)
+        self.content_type = content_type
+        self.content_length = count
+        self._file, self._offset, self._count = file, offset, count
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        try:
+            writer = await super().prepare(request)  # sends the headers
+            assert writer is not None
+            if request.method != "HEAD" and self._count:
+                transport = request.transport
+                if transport is None:
+                    raise ConnectionResetError("the client went away")
+                try:
+                    await asyncio.get_running_loop().sendfile(
+                        transport, self._file, self._offset, self._count
+                    )
+                except NotImplementedError:  # no sendfile for this transport (TLS, ...)
+                    self._file.seek(self._offset)
+                    await writer.write(self._file.read(self._count))
+            await super().write_eof()
+            return writer
+        finally:
+            self._file.close()
+
+
+def _read_verified(f: BinaryIO, key: str, kind: str) -> tuple[bytes, str]:
+    data = f.read()
+    return data, verify(key, kind, data)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Mark a fill's failure as seen: its waiters re-raise it, or nobody waits."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _s3_error(status: int, code: str, message: str, resource: str) -> web.Response:
