@@ -68,6 +68,7 @@ class DiskCache:
         self._lock = threading.Lock()
         self._read_only_until = 0.0
         self.evictions = 0
+        self.writes = 0  # objects written since start
         (self.root / "objects").mkdir(parents=True, exist_ok=True)
         self._rebuild()
 
@@ -131,9 +132,11 @@ class DiskCache:
     # ---- changes -------------------------------------------------------------
     def store(self, key: str, data: bytes, etag: str) -> bool:
         """Cache ``data`` (verified bytes) for ``key``; False when not cached (too big,
-        disk full)."""
+        disk full). Room is made first, so the folder never holds more than the limit."""
         if len(data) > self.max_bytes or time.monotonic() < self._read_only_until:
             return False
+        self.drop(key)
+        self._evict(room_for=len(data))
         digest = _digest(key)
         folder = self.root / "objects" / digest[:2]
         data_path = folder / digest
@@ -147,6 +150,7 @@ class DiskCache:
             _write_atomic(tmp, meta_path, meta)
         except OSError as exc:
             _unlink(tmp)
+            _unlink(data_path)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 log.warning("edge cache disk is full: serving without caching for a while")
                 self._read_only_until = time.monotonic() + FULL_DISK_BACKOFF_S
@@ -154,12 +158,10 @@ class DiskCache:
                 log.warning("cannot cache %s: %s", key, exc)
             return False
         with self._lock:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._bytes -= old.size
             self._index[key] = Entry(key, len(data), etag, data_path, verified=written)
             self._bytes += len(data)
-        self._evict()
+            self.writes += 1
+        self._evict()  # another thread may have stored meanwhile
         return True
 
     def drop(self, key: str) -> None:
@@ -171,10 +173,11 @@ class DiskCache:
         _unlink(entry.path.with_suffix(".meta"))
         _unlink(entry.path)
 
-    def _evict(self) -> None:
+    def _evict(self, room_for: int = 0) -> None:
+        """Drop least recently used entries until ``room_for`` more bytes fit."""
         while True:
             with self._lock:
-                if self._bytes <= self.max_bytes or not self._index:
+                if self._bytes + room_for <= self.max_bytes or not self._index:
                     return
                 key, entry = self._index.popitem(last=False)
                 self._bytes -= entry.size

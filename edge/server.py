@@ -117,6 +117,8 @@ class Edge:
         self.warmer = Warmer(self._ensure, self._warm_concurrency)
 
     async def _close(self, app: web.Application) -> None:
+        if self._keeping:  # objects already fetched are worth their disk write
+            await asyncio.wait(list(self._keeping.values()), timeout=10)
         if self.warmer is not None:
             await self.warmer.close()
         for origin in self.origins:
@@ -151,6 +153,8 @@ class Edge:
             f"kvcdn_edge_origin_fetch_seconds_count {m.origin_fetches}",
             "# TYPE kvcdn_edge_origin_errors_total counter",
             f"kvcdn_edge_origin_errors_total {m.origin_errors}",
+            "# TYPE kvcdn_edge_cache_writes_total counter",
+            f"kvcdn_edge_cache_writes_total {self.cache.writes}",
             "# TYPE kvcdn_edge_evictions_total counter",
             f"kvcdn_edge_evictions_total {self.cache.evictions}",
             "# TYPE kvcdn_edge_verify_failures_total counter",

@@ -116,6 +116,14 @@ class EdgeProcess:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=20)
 
+    def wait_cached(self, writes: int, timeout_s: float = 10.0) -> None:
+        """Wait until the edge has written ``writes`` objects to its disk cache since
+        it started: clients are answered before the disk write of a miss ends."""
+        deadline = time.monotonic() + timeout_s
+        while self.metrics()["kvcdn_edge_cache_writes_total"] < writes:
+            assert time.monotonic() < deadline, "the object never reached the disk cache"
+            time.sleep(0.02)
+
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
         return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def test_64_concurrent_cold_gets_make_one_origin_get(origin, edge):
 def test_corrupted_cache_file_is_detected_and_refetched(origin, edge, tmp_path):
     key, data = list(origin.objects.items())[2]
     assert get(f"{edge.url}/{key}")[0] == 200
+    edge.wait_cached(1)
     (cached,) = [p for p in (tmp_path / "cache" / "objects").glob("*/*") if p.suffix != ".meta"]
     raw = bytearray(cached.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
@@ -223,9 +225,10 @@ def test_eviction_keeps_the_cache_under_its_limit(origin, tmp_path):
     limit = int(size * 2.5)
     node = EdgeProcess(origin.url, cache, origin.endpoint, "--max-bytes", str(limit)).start()
     try:
-        for key, data in origin.objects.items():
+        for i, (key, data) in enumerate(origin.objects.items()):
             status, _, body = get(f"{node.url}/{key}")
             assert status == 200 and body == data
+            node.wait_cached(i + 1)
             on_disk = sum(
                 p.stat().st_size for p in (cache / "objects").glob("*/*") if p.suffix != ".meta"
             )
@@ -243,3 +246,24 @@ def test_edge_never_imports_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_file_damaged_while_the_edge_was_down_is_caught_on_first_use(origin, tmp_path):
+    cache = tmp_path / "cache"
+    key, data = list(origin.objects.items())[4]
+    node = EdgeProcess(origin.url, cache, origin.endpoint).start()
+    assert get(f"{node.url}/{key}")[0] == 200
+    node.kill()
+    (cached,) = [p for p in (cache / "objects").glob("*/*") if p.suffix != ".meta"]
+    st = cached.stat()
+    raw = bytearray(cached.read_bytes())
+    raw[100] ^= 0x01  # one flipped bit, with the old mtime put back
+    cached.write_bytes(bytes(raw))
+    os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+    node = EdgeProcess(origin.url, cache, origin.endpoint).start()
+    try:
+        status, _, body = get(f"{node.url}/{key}")
+        assert status == 200 and body == data
+        assert node.metrics()["kvcdn_edge_verify_failures_total"] == 1
+    finally:
+        node.kill()

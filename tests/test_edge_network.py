@@ -319,7 +319,9 @@ def test_tiered_edges_fetch_from_the_parent_once(published, tmp_path):
             assert status == 200 and hashlib.sha256(body).hexdigest() == ref.sha256
         assert published.origin_gets(ref.key) == 1  # the parent fetched it once for both
         pm = parent.metrics()
-        assert (pm["kvcdn_edge_misses_total"], pm["kvcdn_edge_hits_total"]) == (1, 1)
+        assert pm["kvcdn_edge_misses_total"] == 1
+        # the second child's request found the object cached, or still being written
+        assert pm["kvcdn_edge_hits_total"] + pm["kvcdn_edge_coalesced_waiters_total"] == 1
         # Listings pass through the parent too (GET /?list-type=2 at its root).
         status, _, body = get(
             f"{children[0].url}/{published.bucket}?list-type=2&prefix=docs/", auth
