@@ -619,16 +619,21 @@ def warm(
     if as_json:
         _emit_json({"edges": rows, "seconds": seconds, "ok": not failed})
     else:
-        table = Table("edge", "documents", "objects", "size", "state", "already cached", "fetched")
+        table = Table(box=None, pad_edge=False)
+        table.add_column("edge", no_wrap=True)
+        table.add_column("documents", overflow="fold", min_width=9)
+        table.add_column("objects", justify="right", no_wrap=True)
+        table.add_column("state", no_wrap=True)
+        table.add_column("fetched", justify="right", no_wrap=True)
+        table.add_column("had", justify="right", no_wrap=True)
         for r in rows:
             table.add_row(
                 escape(r["edge"]),
                 escape(", ".join(r["documents"]) or "(manifests)"),
-                str(r["objects"]),
-                _mb(r["bytes"]),
+                f"{r['objects']} ({_mb(r['bytes'])})",
                 str(r["state"]),
-                str(r["cached"]),
                 f"{r['fetched']} ({_mb(r['bytes_fetched'])})",
+                str(r["cached"]),
             )
         out.print(table)
         for r in rows:
@@ -637,9 +642,13 @@ def warm(
                 err.print(f"[red]✗[/] {escape(r['edge'])}: {escape(where + e['error'])}")
         if no_wait:
             out.print("warm jobs started; follow them at EDGE/warm/JOB")
+        elif failed:
+            bad = sum(r["state"] in ("unreachable", "failed") for r in rows)
+            out.print(f"[red]warming incomplete[/]: {bad} of {len(rows)} edge(s) failed")
         else:
             out.print(
-                f"warmed {len(manifests)} document(s) on {len(rows)} edge(s) in {seconds:.1f} s"
+                f"[green]✓[/] warmed {len(manifests)} document(s) on {len(rows)} edge(s) "
+                f"in {seconds:.1f} s"
             )
     if failed:
         raise click.exceptions.Exit(1)

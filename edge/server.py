@@ -5,7 +5,8 @@ byte ranges (206, 416), ETags and conditional GETs, and Cache-Control that
 lets any standard HTTP cache sit in front of or behind the edge. A miss is
 read through from the origin (or a parent edge first); concurrent misses for
 one key share a single origin fetch. Bytes are verified before they are
-cached and every time they are served from disk.
+cached, and again on their first use from disk after a start or after their
+file changed; verified files are sent with sendfile.
 
 The same objects are readable through a path-style S3 API (:mod:`.s3api`),
 and ``POST /warm`` (:mod:`.warm`) fetches lists of keys in the background.
@@ -390,26 +391,27 @@ class Edge:
         first use after a start, or a file someone changed)."""
         try:
             f = open(entry.path, "rb")  # noqa: SIM115 (handed to the response, which closes it)
-            stamp = stamp_of(os.fstat(f.fileno()))
         except OSError as exc:
             log.warning("cached copy of %s is unreadable, refetching: %s", entry.key, exc)
             self.cache.drop(entry.key)
             return None
-        if stamp == entry.verified:
-            return Found(entry.etag, stamp[1], file=f)
         try:
+            stamp = stamp_of(os.fstat(f.fileno()))
+            if stamp == entry.verified:
+                return Found(entry.etag, stamp[1], file=f)
             data, tag = await asyncio.to_thread(_read_verified, f, entry.key, kind)
             after = stamp_of(os.fstat(f.fileno()))
         except (OSError, VerifyError) as exc:
+            f.close()
             self.metrics.verify_failures += isinstance(exc, VerifyError)
             log.warning("cached copy of %s is damaged, refetching: %s", entry.key, exc)
             self.cache.drop(entry.key)
             return None
-        finally:
-            f.close()
-        if after == stamp and tag == entry.etag:
+        f.close()
+        entry.etag = tag  # the same, unless the entry was filled by an older edge
+        if after == stamp:
             entry.verified = stamp
-        return Found(entry.etag, len(data), data=data)
+        return Found(tag, len(data), data=data)
 
     async def _miss(self, key: str, kind: str) -> tuple[bytes, str]:
         """Fetch ``key`` once for everyone who asks while the fetch runs."""
