@@ -69,6 +69,7 @@ class DiskCache:
         self._read_only_until = 0.0
         self.evictions = 0
         self.writes = 0  # objects written since start
+        self.skips = 0  # objects not written: too big, disk full, write errors
         (self.root / "objects").mkdir(parents=True, exist_ok=True)
         self._rebuild()
 
@@ -134,6 +135,7 @@ class DiskCache:
         """Cache ``data`` (verified bytes) for ``key``; False when not cached (too big,
         disk full). Room is made first, so the folder never holds more than the limit."""
         if len(data) > self.max_bytes or time.monotonic() < self._read_only_until:
+            self.skips += 1
             return False
         self.drop(key)
         self._evict(room_for=len(data))
@@ -156,6 +158,7 @@ class DiskCache:
                 self._read_only_until = time.monotonic() + FULL_DISK_BACKOFF_S
             else:
                 log.warning("cannot cache %s: %s", key, exc)
+            self.skips += 1
             return False
         with self._lock:
             self._index[key] = Entry(key, len(data), etag, data_path, verified=written)

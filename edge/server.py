@@ -156,6 +156,8 @@ class Edge:
             f"kvcdn_edge_origin_errors_total {m.origin_errors}",
             "# TYPE kvcdn_edge_cache_writes_total counter",
             f"kvcdn_edge_cache_writes_total {self.cache.writes}",
+            "# TYPE kvcdn_edge_cache_write_skips_total counter",
+            f"kvcdn_edge_cache_write_skips_total {self.cache.skips}",
             "# TYPE kvcdn_edge_evictions_total counter",
             f"kvcdn_edge_evictions_total {self.cache.evictions}",
             "# TYPE kvcdn_edge_verify_failures_total counter",

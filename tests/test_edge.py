@@ -267,3 +267,42 @@ def test_a_file_damaged_while_the_edge_was_down_is_caught_on_first_use(origin, t
         assert node.metrics()["kvcdn_edge_verify_failures_total"] == 1
     finally:
         node.kill()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 3 MiB tmpfs: a disk that fills up after two cached objects."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_stops_caching_but_keeps_serving(origin, tiny_disk):
+    node = EdgeProcess(origin.url, tiny_disk / "cache", origin.endpoint, "--max-bytes", "1G")
+    node.start()
+    try:
+        for key, data in origin.objects.items():
+            status, _, body = get(f"{node.url}/{key}")
+            assert status == 200 and body == data
+        deadline = time.monotonic() + 10  # the disk writes follow the answers
+        while (m := node.metrics())["kvcdn_edge_cache_writes_total"] + m[
+            "kvcdn_edge_cache_write_skips_total"
+        ] < len(origin.objects):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        cached = m["kvcdn_edge_cache_objects"]
+        assert m["kvcdn_edge_cache_write_skips_total"] >= 1
+        assert 1 <= cached < len(origin.objects)  # the disk filled up
+        for key, data in origin.objects.items():  # everything is still served
+            status, _, body = get(f"{node.url}/{key}")
+            assert status == 200 and body == data
+        assert node.metrics()["kvcdn_edge_hits_total"] >= cached
+        assert not [p for p in tiny_disk.rglob(".*") if p.is_file()]  # no partial files left
+    finally:
+        node.kill()
