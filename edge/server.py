@@ -425,6 +425,8 @@ class Edge:
             task = asyncio.get_running_loop().create_task(self._fill(key, kind))
             task.add_done_callback(_retrieve)
             self._inflight[key] = task
+        elif task.done():  # fetched, its disk write still running: served from memory
+            self.metrics.hits += 1
         else:
             self.metrics.coalesced += 1
         return await asyncio.shield(task)
