@@ -15,10 +15,12 @@ one is given. Each read reports its source.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -224,8 +226,6 @@ class PlacedReader:
 
 
 def _parse_listing(data: bytes) -> tuple[list[str], str | None]:
-    import xml.etree.ElementTree as ET
-
     root = ET.fromstring(data)
     ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
     keys = [item.findtext(f"{ns}Key", "") for item in root.iter(f"{ns}Contents")]
@@ -305,8 +305,6 @@ class EdgeAdmin:
         self._http = urllib3.PoolManager(retries=False, timeout=timeout_s)
 
     def _call(self, method: str, url: str, body: Any = None) -> dict[str, Any]:
-        import json
-
         try:
             if body is None:
                 resp = self._http.request(method, url, headers=self._headers)
