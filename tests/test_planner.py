@@ -1,0 +1,148 @@
+"""The adaptive planner with exact sizes and synthetic predictors (no network, no model)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcdn.sdk.planner import (
+    TEXT,
+    ChunkChoice,
+    DeviceSpeed,
+    HarmonicPredictor,
+    Option,
+    plan,
+)
+
+# A ladder like the embedded model's: bytes of a 256-token chunk, top-1 agreement.
+LADDER = (
+    ("nearlossless", 2_900_000, 0.986),
+    ("default", 2_170_000, 0.960),
+    ("lowest", 1_600_000, 0.921),
+)
+DEVICE = DeviceSpeed(decode_bytes_per_s=1e9, prefill_tokens_per_s=400.0)  # 256 tokens: 0.64 s
+
+
+class FixedLink:
+    """A synthetic predictor: a link of exactly ``bps`` bytes per second."""
+
+    def __init__(self, bps: float) -> None:
+        self.bps = bps
+
+    def predict_seconds(self, nbytes: int) -> float:
+        return 0.0 if nbytes == 0 else nbytes / self.bps
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        pass
+
+
+def chunks(n: int, tokens: int = 256, ladder=LADDER) -> list[ChunkChoice]:
+    options = tuple(Option(name, b, q) for name, b, q in ladder) + (Option(TEXT, 0, 1.0),)
+    return [ChunkChoice(i, tokens, options) for i in range(n)]
+
+
+def finish_time(cs, choices, link, device=DEVICE) -> float:
+    """The time model, computed independently of the planner."""
+    fetched = [choices[c.index] for c in cs if choices[c.index].level != TEXT]
+    link_s = link.predict_seconds(sum(o.bytes for o in fetched))
+    last_decode = max((device.decode_seconds(o.bytes) for o in fetched), default=0.0)
+    device_s = sum(device.decode_seconds(o.bytes) for o in fetched) + sum(
+        device.recompute_seconds(c.tokens) for c in cs if choices[c.index].level == TEXT
+    )
+    return max(link_s + last_decode, device_s)
+
+
+def test_without_a_deadline_every_chunk_gets_its_best_level():
+    p = plan(chunks(8), FixedLink(1e6), DEVICE, None)
+    assert {o.level for o in p.choices.values()} == {"nearlossless"}
+    assert p.feasible
+
+
+def test_with_slack_the_best_quality_is_chosen():
+    link = FixedLink(1e9)  # 8 chunks of 2.9 MB in 23 ms
+    p = plan(chunks(8), link, DEVICE, deadline_s=1.0)
+    assert p.feasible and {o.level for o in p.choices.values()} <= {"nearlossless", TEXT}
+    assert p.quality == pytest.approx(8 * 0.986, abs=0.03)  # exact text only where free
+
+
+def test_the_deadline_is_met_when_it_can_be():
+    cs = chunks(8)
+    link = FixedLink(20e6)  # 20 MB/s: all nearlossless (23 MB) would take 1.16 s
+    p = plan(cs, link, DEVICE, deadline_s=0.8)
+    assert p.feasible
+    assert finish_time(cs, p.choices, link) <= 0.8 + 1e-9
+    assert p.predicted_s == pytest.approx(finish_time(cs, p.choices, link))
+    levels = {o.level for o in p.choices.values()}
+    assert levels - {"nearlossless"}  # something had to give
+
+
+def test_text_is_chosen_when_the_link_collapses():
+    cs = chunks(4)
+    link = FixedLink(1_000.0)  # 1 kB/s: nothing arrives in time
+    p = plan(cs, link, DEVICE, deadline_s=3.0)  # recomputing all 4 takes 2.56 s
+    assert p.feasible
+    assert {o.level for o in p.choices.values()} == {TEXT}
+
+
+def test_a_deadline_that_cannot_be_met_gives_the_fastest_plan_and_says_so():
+    cs = chunks(6)
+    link = FixedLink(1e6)
+    p = plan(cs, link, DEVICE, deadline_s=0.01)
+    assert not p.feasible
+    fastest = min(
+        finish_time(cs, dict(enumerate(combo)), link)
+        for combo in itertools.product(*(c.options for c in cs))
+    )
+    assert p.predicted_s <= fastest * 1.05
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bps=st.floats(1e4, 1e9),
+    deadline=st.floats(0.05, 5.0),
+    sizes=st.lists(st.integers(10_000, 5_000_000), min_size=3, max_size=3, unique=True),
+    n=st.integers(1, 4),
+)
+def test_greedy_matches_brute_force_on_small_cases(bps, deadline, sizes, n):
+    sizes = sorted(sizes, reverse=True)
+    ladder = tuple(zip(("a", "b", "c"), sizes, (0.99, 0.95, 0.90), strict=True))
+    cs = chunks(n, ladder=ladder)
+    link = FixedLink(bps)
+    p = plan(cs, link, DEVICE, deadline)
+    best_q, fastest = -1.0, float("inf")
+    for combo in itertools.product(*(c.options for c in cs)):
+        choices = {c.index: o for c, o in zip(cs, combo, strict=True)}
+        t = finish_time(cs, choices, link)
+        fastest = min(fastest, t)
+        if t <= deadline:
+            best_q = max(best_q, sum(o.quality for o in combo))
+    if best_q >= 0:  # feasible: the planner finds a feasible plan of near-best quality
+        assert p.feasible and finish_time(cs, p.choices, link) <= deadline + 1e-9
+        assert p.quality >= 0.95 * best_q
+    else:
+        assert not p.feasible
+        assert p.predicted_s <= fastest * 1.25
+
+
+def test_harmonic_predictor_learns_and_keeps_a_margin():
+    pr = HarmonicPredictor(initial_bps=1e6)
+    assert pr.predict_seconds(1_000_000) == pytest.approx(1.0)
+    for _ in range(5):
+        pr.observe(10_000_000, 1.0)  # 10 MB/s, steady
+    assert pr.throughput() == pytest.approx(10e6, rel=0.01)
+    pr.observe(1_000_000, 1.0)  # a sudden drop to 1 MB/s
+    assert pr.throughput() < 5e6  # the harmonic mean and the error margin both react
+    assert pr.predict_seconds(0) == 0.0
+
+
+def test_harmonic_predictor_handles_zero_bytes_and_zero_time():
+    pr = HarmonicPredictor(initial_bps=1e6)
+    pr.observe(0, 0.5)  # no bytes: no information
+    assert pr.throughput() == 1e6
+    pr.observe(1000, 0.0)  # instantaneous: capped, not a division by zero
+    assert 0 < pr.throughput() <= pr.max_bps
+    pr.observe(1000, 1e6)  # a stalled link
+    assert pr.throughput() > 0 and pr.predict_seconds(1) < float("inf")
