@@ -427,6 +427,31 @@ def _read_token(path: Path | None) -> str | None:
 )
 @click.option("--origin-timeout", default=30.0, show_default=True, help="Seconds per origin fetch.")
 @click.option(
+    "--rate-limit",
+    metavar="SIZE",
+    help="Send at most SIZE bytes per second in all (like nginx's limit_rate), e.g. 20M.",
+)
+@click.option(
+    "--throttle-trace",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="Send as fast as this throughput trace allows ('<seconds> <Mbit/s>' lines), "
+    "replayed in a loop: for testing adaptive loading over a real link.",
+)
+@click.option(
+    "--throttle-scale",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Multiply the trace's throughput (100 or 1000 model datacenter links).",
+)
+@click.option(
+    "--throttle-offset",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Start the trace this many seconds in.",
+)
+@click.option(
     "--warm-concurrency",
     default=8,
     show_default=True,
@@ -444,6 +469,10 @@ def edge_serve(
     admin_token_file: Path | None,
     bucket: str | None,
     origin_timeout: float,
+    rate_limit: str | None,
+    throttle_trace: Path | None,
+    throttle_scale: float,
+    throttle_offset: float,
     warm_concurrency: int,
     endpoint_url: str | None,
 ) -> None:
@@ -496,9 +525,25 @@ def edge_serve(
         admin_token=_read_token(admin_token_file),
         view=BucketView.for_origin(origin, bucket),
         warm_concurrency=warm_concurrency,
+        shaper=_shaper(rate_limit, throttle_trace, throttle_scale, throttle_offset),
     )
     err.print(f"kvcdn edge on http://{host}:{port} → {escape(origin)}")
     run(node, host, int(port))
+
+
+def _shaper(rate: str | None, trace: Path | None, scale: float, offset: float) -> Any:
+    from kvcdn.edge.shaping import LinkShaper, Trace, TraceError
+
+    if rate and trace:
+        raise click.UsageError("use --rate-limit or --throttle-trace, not both")
+    if rate:
+        return LinkShaper.fixed(_parse_size(rate))
+    if trace:
+        try:
+            return LinkShaper.replay(Trace.load(trace, scale=scale), offset_s=offset)
+        except TraceError as exc:
+            raise click.BadParameter(str(exc), param_hint="--throttle-trace") from None
+    return None
 
 
 _EDGE_ROUTES = {"warm", "metrics", "healthz"}

@@ -37,6 +37,7 @@ from .s3api import (
     list_page,
     list_xml,
 )
+from .shaping import PIECE, LinkShaper
 from .verify import VerifyError, cache_control, check_key, verify
 from .warm import Warmer
 
@@ -84,6 +85,7 @@ class Edge:
         admin_token: str | None = None,
         view: BucketView | None = None,
         warm_concurrency: int = 8,
+        shaper: LinkShaper | None = None,
     ) -> None:
         self.cache = cache
         self.origins = origins
@@ -92,6 +94,7 @@ class Edge:
         # nothing a reader could not make the edge fetch).
         self.admin_token = admin_token if admin_token is not None else read_token
         self.view = view or BucketView("kvcdn")
+        self.shaper = shaper  # sends bodies no faster than a rate or a trace
         self.metrics = Metrics()
         self._warm_concurrency = warm_concurrency
         self.warmer: Warmer | None = None  # made on start-up, inside the event loop
@@ -295,6 +298,16 @@ class Edge:
                 headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         if request.method != "HEAD":
             self.metrics.bytes_served += end + 1 - start
+        if self.shaper is not None and request.method != "HEAD":
+            if found.file is not None:
+                return _ShapedBody(
+                    self.shaper, status, headers, content_type, start, end + 1 - start,
+                    file=found.take_file(),
+                )  # fmt: skip
+            return _ShapedBody(
+                self.shaper, status, headers, content_type, start, end + 1 - start,
+                data=found.data,
+            )  # fmt: skip
         if found.file is not None:
             return _FileBody(
                 found.take_file(), start, end + 1 - start, status, headers, content_type
@@ -541,6 +554,46 @@ class _FileBody(web.StreamResponse):
             return writer
         finally:
             self._file.close()
+
+
+class _ShapedBody(web.StreamResponse):
+    """A body sent in pieces, each when the shaped link has room for it."""
+
+    def __init__(
+        self,
+        shaper: LinkShaper,
+        status: int,
+        headers: dict[str, str],
+        content_type: str,
+        offset: int,
+        count: int,
+        *,
+        data: bytes = b"",
+        file: BinaryIO | None = None,
+    ) -> None:
+        super().__init__(status=status, headers=headers)
+        self.content_type = content_type
+        self.content_length = count
+        self._shaper, self._offset, self._count = shaper, offset, count
+        self._data, self._file = data, file
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        try:
+            writer = await super().prepare(request)
+            assert writer is not None
+            if self._file is not None:
+                self._file.seek(self._offset)
+            view = memoryview(self._data)
+            for at in range(self._offset, self._offset + self._count, PIECE):
+                n = min(PIECE, self._offset + self._count - at)
+                await self._shaper.send(n)
+                piece = self._file.read(n) if self._file is not None else view[at : at + n]
+                await writer.write(piece)
+            await super().write_eof()
+            return writer
+        finally:
+            if self._file is not None:
+                self._file.close()
 
 
 def _read_verified(f: BinaryIO, key: str, kind: str) -> tuple[bytes, str]:
