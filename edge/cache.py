@@ -123,13 +123,6 @@ class DiskCache:
                 pass
         return entry
 
-    def read(self, entry: Entry) -> bytes | None:
-        try:
-            return entry.path.read_bytes()
-        except OSError:
-            self.drop(entry.key)
-            return None
-
     # ---- changes -------------------------------------------------------------
     def store(self, key: str, data: bytes, etag: str) -> bool:
         """Cache ``data`` (verified bytes) for ``key``; False when not cached (too big,

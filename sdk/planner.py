@@ -88,13 +88,9 @@ class HarmonicPredictor:
 
     def throughput(self) -> float:
         """Predicted bytes per second, with the error margin applied."""
-        if not self._samples:
-            return self.initial_bps
-        harmonic = len(self._samples) / sum(1.0 / s for s in self._samples)
-        margin = max(self._errors, default=0.0)
-        return harmonic / (1.0 + margin)
+        return self._harmonic() / (1.0 + max(self._errors, default=0.0))
 
-    def _raw(self) -> float:
+    def _harmonic(self) -> float:
         if not self._samples:
             return self.initial_bps
         return len(self._samples) / sum(1.0 / s for s in self._samples)
@@ -109,7 +105,7 @@ class HarmonicPredictor:
             return
         measured = self.max_bps if seconds <= 0 else min(nbytes / seconds, self.max_bps)
         if self._samples:  # the initial guess is not a prediction to hold against the link
-            self._errors.append(abs(self._raw() - measured) / measured)
+            self._errors.append(abs(self._harmonic() - measured) / measured)
         self._samples.append(measured)
 
 
