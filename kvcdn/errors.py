@@ -54,5 +54,9 @@ class FormatError(KvcdnError):
     exit_code = 5
 
 
+class OldSchema(FormatError):
+    """A manifest written by an older kvcdn, in a schema this one no longer reads."""
+
+
 class IntegrityError(FormatError):
     """An object's bytes do not match their checksum."""

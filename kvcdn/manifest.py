@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import FormatError, InputError
+from .errors import FormatError, InputError, OldSchema
 
 SCHEMA_VERSION = 2
 MAX_MANIFEST_BYTES = 64 << 20
@@ -186,6 +186,11 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
     v = _Validator(name)
     v.dict(raw, "manifest")
     schema = raw.get("schema_version")
+    if isinstance(schema, int) and not isinstance(schema, bool) and 0 < schema < SCHEMA_VERSION:
+        raise OldSchema(
+            f"{name} was written by an older kvcdn (schema_version {schema}; this kvcdn reads "
+            f"{SCHEMA_VERSION}); publish the document again to make a current version"
+        )
     if schema != SCHEMA_VERSION:
         raise FormatError(
             f"{name} has schema_version {schema!r}; this kvcdn reads schema_version "

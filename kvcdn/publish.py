@@ -30,7 +30,7 @@ from .codec import (
     parse_levels,
 )
 from .container import unpack
-from .errors import ConcurrentPublish, FormatError, InputError
+from .errors import ConcurrentPublish, FormatError, InputError, OldSchema
 from .kv import DEFAULT_CHUNK_TOKENS, split_chunks
 from .manifest import (
     ChunkEntry,
@@ -150,7 +150,12 @@ def publish(
     fingerprint = loaded.fingerprint
     src_sha = source_digest(text)
     latest = catalog.latest_version(store, name)
-    previous = catalog.read_manifest(store, name, latest) if latest else None
+    previous = None
+    if latest:
+        try:
+            previous = catalog.read_manifest(store, name, latest)
+        except OldSchema:  # an older kvcdn's version: this publish supersedes it
+            log.info("%s@%d has an older manifest schema; publishing a new version", name, latest)
     if previous and _same_publication(previous, src_sha, fingerprint, chunk_tokens, chosen):
         _advance_pointer(store, name, previous.version)
         return PublishResult(

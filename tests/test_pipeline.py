@@ -161,6 +161,21 @@ def test_unknown_manifest_schema_is_refused(model, short_text, tmp_path):
         sdk.load_context("doc", store=str(store), model=model)
 
 
+def test_a_store_from_an_older_kvcdn_is_upgraded_by_publishing_again(model, short_text, tmp_path):
+    store = tmp_path / "store"
+    publish(text=short_text, name="doc", model=model, store=str(store), levels="int8")
+    path = store / manifest_key("doc", 1)
+    raw = json.loads(path.read_text())
+    raw["schema_version"] = 1  # as the first kvcdn wrote it
+    path.write_text(json.dumps(raw))
+    with pytest.raises(FormatError, match="older kvcdn.*publish the document again"):
+        sdk.load_context("doc", store=str(store), model=model)
+    again = publish(text=short_text, name="doc", model=model, store=str(store), levels="int8")
+    assert again.version == 2 and not again.unchanged
+    ctx = sdk.load_context("doc", store=str(store), model=model)
+    assert ctx.manifest.version == 2
+
+
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory, model):
     """A different (tiny, randomly initialised) Llama saved as a local checkpoint."""
