@@ -14,7 +14,10 @@ The time model has two resources that work in parallel:
 - the device, which decodes fetched chunks and recomputes ``text`` chunks:
   ``device = sum(decode) + sum(recompute)``.
 
-The load finishes at ``max(link + the last chunk's decode, device)``.
+The load finishes at ``max(link + the last chunk's decode, device)``; work
+already under way (:class:`Busy`) adds to both. Recomputing a chunk needs the
+chunks before it in the cache, so ``text`` chunks are put first, where the
+device can start on them while the link carries the rest.
 
 Choosing is a multiple-choice knapsack. The planner starts from the best
 option of every chunk and, while the estimate misses the deadline, takes the
@@ -36,11 +39,16 @@ TEXT = "text"
 
 @dataclass(frozen=True)
 class Option:
-    """One way to obtain a chunk: a level (``bytes`` > 0) or ``text`` (recompute)."""
+    """One way to obtain a chunk: a level (``bytes`` > 0) or ``text`` (recompute).
+
+    ``device_s`` is the device time it costs: decoding a fetched level, or
+    recomputing the chunk's tokens for ``text``.
+    """
 
     level: str
     bytes: int
     quality: float  # higher is better; 1.0 is exactly the model's own KV
+    device_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,9 +73,10 @@ class HarmonicPredictor:
     """RobustMPC's predictor: the harmonic mean of the last ``window`` throughput
     samples, divided by ``1 + the largest recent relative prediction error``.
 
-    Until the first sample it assumes ``initial_bps``. A sample of zero bytes
-    carries no throughput and is ignored; a transfer that took no measurable
-    time counts as ``max_bps``.
+    Until the first sample it assumes ``initial_bps``. A period in which
+    nothing arrived (zero bytes, positive time) is a stalled link and counts as
+    ``min_bps``; zero bytes in zero time carry nothing and are ignored; bytes
+    that took no measurable time count as ``max_bps``.
     """
 
     def __init__(
@@ -77,14 +86,20 @@ class HarmonicPredictor:
         window: int = 5,
         latency_s: float = 0.0,
         max_bps: float = 100e9,
+        min_bps: float = 1e3,
     ) -> None:
         if initial_bps <= 0:
             raise ValueError("initial_bps must be positive")
         self.initial_bps = initial_bps
         self.latency_s = latency_s
         self.max_bps = max_bps
+        self.min_bps = min_bps
         self._samples: deque[float] = deque(maxlen=window)
         self._errors: deque[float] = deque(maxlen=window)
+
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
 
     def throughput(self) -> float:
         """Predicted bytes per second, with the error margin applied."""
@@ -101,26 +116,29 @@ class HarmonicPredictor:
         return self.latency_s + nbytes / self.throughput()
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0:
+        if nbytes <= 0 and seconds <= 0:
             return
-        measured = self.max_bps if seconds <= 0 else min(nbytes / seconds, self.max_bps)
+        measured = self.max_bps if seconds <= 0 else nbytes / seconds
+        measured = min(max(measured, self.min_bps), self.max_bps)
         if self._samples:  # the initial guess is not a prediction to hold against the link
             self._errors.append(abs(self._harmonic() - measured) / measured)
         self._samples.append(measured)
 
 
-@dataclass(frozen=True)
-class DeviceSpeed:
-    """How fast this device decodes fetched chunks and recomputes text chunks."""
+class LastSamplePredictor:
+    """CacheGen's estimate: the throughput of the last transfer (the baseline's predictor)."""
 
-    decode_bytes_per_s: float
-    prefill_tokens_per_s: float
+    def __init__(self, initial_bps: float = 12.5e6) -> None:
+        self.bps = initial_bps
+        self.samples = 0
 
-    def decode_seconds(self, nbytes: int) -> float:
-        return nbytes / self.decode_bytes_per_s
+    def predict_seconds(self, nbytes: int) -> float:
+        return 0.0 if nbytes <= 0 else nbytes / self.bps
 
-    def recompute_seconds(self, tokens: int) -> float:
-        return tokens / self.prefill_tokens_per_s
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            self.bps = max(nbytes / seconds, 1e3)
+            self.samples += 1
 
 
 @dataclass
@@ -134,73 +152,104 @@ class Plan:
         return sum(o.quality for o in self.choices.values())
 
 
+@dataclass(frozen=True)
+class Busy:
+    """Work already under way when a plan is made (all zero before the load starts).
+
+    ``link_bytes``: bytes still to arrive for fetches in flight; ``device_s``:
+    device work queued or running (including decoding the fetches in flight);
+    ``text_ready_s``: when the chunks before the first chunk still to start
+    will be in the cache, so that recomputing it can begin.
+    """
+
+    link_bytes: int = 0
+    device_s: float = 0.0
+    text_ready_s: float = 0.0
+
+
+IDLE = Busy()
+
+
+class Policy(Protocol):
+    """Chooses an option for each chunk still to start (``plan`` is the default)."""
+
+    def __call__(
+        self,
+        chunks: Sequence[ChunkChoice],
+        predictor: ThroughputPredictor,
+        deadline_s: float | None,
+        busy: Busy = IDLE,
+    ) -> Plan: ...
+
+
 class _Estimate:
     """The time model, kept as running sums so a swap is evaluated in O(1)."""
 
-    def __init__(self, predictor: ThroughputPredictor, device: DeviceSpeed) -> None:
+    def __init__(self, predictor: ThroughputPredictor, busy: Busy) -> None:
         self.predictor = predictor
-        self.device = device
+        self.busy = busy
         self.bytes = 0
         self.device_s = 0.0
-        self.decode_max = 0.0
+        self.text_s = 0.0
 
-    def cost(self, chunk: ChunkChoice, option: Option) -> tuple[int, float]:
+    def add(self, option: Option, sign: int = 1) -> None:
+        self.bytes += sign * option.bytes
+        self.device_s += sign * option.device_s
         if option.level == TEXT:
-            return 0, self.device.recompute_seconds(chunk.tokens)
-        return option.bytes, self.device.decode_seconds(option.bytes)
+            self.text_s += sign * option.device_s
 
-    def finish(self, nbytes: int, device_s: float, decode_max: float) -> float:
-        link = self.predictor.predict_seconds(nbytes)
-        return max(link + decode_max, device_s)
+    def finish(self, decode_max: float) -> float:
+        return self.finish_with(self.bytes, self.device_s, self.text_s, decode_max)
+
+    def finish_with(self, nbytes: int, device_s: float, text_s: float, decode_max: float) -> float:
+        finish = self.busy.device_s + device_s
+        link_bytes = self.busy.link_bytes + nbytes
+        if link_bytes:
+            finish = max(finish, self.predictor.predict_seconds(link_bytes) + decode_max)
+        if text_s:
+            finish = max(finish, self.busy.text_ready_s + text_s)
+        return finish
 
 
 def plan(
     chunks: Sequence[ChunkChoice],
     predictor: ThroughputPredictor,
-    device: DeviceSpeed,
     deadline_s: float | None,
+    busy: Busy = IDLE,
 ) -> Plan:
     """The options that maximise quality while finishing within ``deadline_s``
-    seconds from now (None: no deadline, every chunk at its best level)."""
+    seconds from now (None: no deadline, every chunk at its best level).
+
+    ``chunks`` are the chunks still to start, in document order; ``busy`` is
+    the work already under way. Recomputing is a way to meet the deadline,
+    not a goal: with slack every chunk is fetched at its best level.
+    """
+    est = _Estimate(predictor, busy)
+    chosen = {c.index: _best_fetched(c) for c in chunks}
+    for option in chosen.values():
+        est.add(option)
+    decode_of = {i: (0.0 if o.level == TEXT else o.device_s) for i, o in chosen.items()}
+    finish = est.finish(max(decode_of.values(), default=0.0))
     if deadline_s is None:
-        best = {c.index: _best_fetched(c) for c in chunks}
-        return Plan(best, _finish_of(chunks, best, predictor, device), True)
+        return Plan(chosen, finish, True)
 
-    est = _Estimate(predictor, device)
-    chosen: dict[int, Option] = {}
-    for chunk in chunks:
-        chosen[chunk.index] = max(chunk.options, key=lambda o: (o.quality, -_time(est, chunk, o)))
     by_index = {c.index: c for c in chunks}
-    for chunk in chunks:
-        nbytes, dev = est.cost(chunk, chosen[chunk.index])
-        est.bytes += nbytes
-        est.device_s += dev
-    decode_of = {
-        c.index: est.cost(c, chosen[c.index])[1] if chosen[c.index].level != TEXT else 0.0
-        for c in chunks
-    }
-
-    def current() -> float:
-        return est.finish(est.bytes, est.device_s, max(decode_of.values(), default=0.0))
-
-    finish = current()
     while finish > deadline_s:
         best_swap: tuple[float, int, Option] | None = None
         # the largest decode time without chunk i, in O(1): keep the top two
         top = sorted(decode_of.items(), key=lambda kv: kv[1], reverse=True)[:2] + [(-1, 0.0)]
         for index, option in chosen.items():
-            chunk = by_index[index]
-            old_bytes, old_dev = est.cost(chunk, option)
-            for alt in chunk.options:
-                if alt is option or alt.quality > option.quality:
-                    continue
-                new_bytes, new_dev = est.cost(chunk, alt)
-                new_decode = new_dev if alt.level != TEXT else 0.0
-                others = top[1][1] if top[0][0] == index else top[0][1]
-                after = est.finish(
-                    est.bytes - old_bytes + new_bytes,
-                    est.device_s - old_dev + new_dev,
-                    max(others, new_decode),
+            others = top[1][1] if top[0][0] == index else top[0][1]
+            for alt in by_index[index].options:
+                if alt is option or (alt.level != TEXT and alt.quality > option.quality):
+                    continue  # a better level never saves time; text (exact) may
+                after = est.finish_with(
+                    est.bytes - option.bytes + alt.bytes,
+                    est.device_s - option.device_s + alt.device_s,
+                    est.text_s
+                    - (option.device_s if option.level == TEXT else 0.0)
+                    + (alt.device_s if alt.level == TEXT else 0.0),
+                    max(others, 0.0 if alt.level == TEXT else alt.device_s),
                 )
                 saved = finish - after
                 if saved <= 1e-12:
@@ -212,15 +261,42 @@ def plan(
         if best_swap is None:
             break  # nothing saves time: the best effort
         _, index, alt = best_swap
-        chunk = by_index[index]
-        old_bytes, old_dev = est.cost(chunk, chosen[index])
-        new_bytes, new_dev = est.cost(chunk, alt)
-        est.bytes += new_bytes - old_bytes
-        est.device_s += new_dev - old_dev
-        decode_of[index] = new_dev if alt.level != TEXT else 0.0
+        est.add(chosen[index], -1)
+        est.add(alt)
+        decode_of[index] = 0.0 if alt.level == TEXT else alt.device_s
         chosen[index] = alt
-        finish = current()
+        finish = est.finish(max(decode_of.values(), default=0.0))
+    chosen = _text_first(chunks, chosen, predictor, busy)
+    finish = estimate(chunks, chosen, predictor, busy)
     return Plan(chosen, finish, finish <= deadline_s)
+
+
+def _text_first(
+    chunks: Sequence[ChunkChoice],
+    chosen: dict[int, Option],
+    predictor: ThroughputPredictor,
+    busy: Busy,
+) -> dict[int, Option]:
+    """The same choices with the ``text`` chunks moved to the front, if that is faster.
+
+    Recomputing a chunk needs every chunk before it in the cache, so a text
+    chunk behind fetched ones waits for the link; at the front it starts at
+    once, in parallel with the fetches of the chunks after it. (The greedy
+    search treats chunks as interchangeable; this puts its choices in order.)
+    """
+    n_text = sum(1 for c in chunks if chosen[c.index].level == TEXT)
+    fetched_levels = [chosen[c.index].level for c in chunks if chosen[c.index].level != TEXT]
+    moved: dict[int, Option] = {}
+    for pos, chunk in enumerate(chunks):
+        options = {o.level: o for o in chunk.options}
+        if pos < n_text:
+            moved[chunk.index] = options[TEXT]
+        else:
+            wanted = fetched_levels[pos - n_text]
+            moved[chunk.index] = options.get(wanted) or _best_fetched(chunk)
+    if estimate(chunks, moved, predictor, busy) <= estimate(chunks, chosen, predictor, busy):
+        return moved
+    return chosen
 
 
 def _best_fetched(chunk: ChunkChoice) -> Option:
@@ -228,23 +304,54 @@ def _best_fetched(chunk: ChunkChoice) -> Option:
     return max(fetched, key=lambda o: (o.quality, -o.bytes))
 
 
-def _time(est: _Estimate, chunk: ChunkChoice, option: Option) -> float:
-    nbytes, dev = est.cost(chunk, option)
-    return est.predictor.predict_seconds(nbytes) + dev
-
-
-def _finish_of(
+def estimate(
     chunks: Sequence[ChunkChoice],
     chosen: dict[int, Option],
     predictor: ThroughputPredictor,
-    device: DeviceSpeed,
+    busy: Busy = IDLE,
 ) -> float:
-    est = _Estimate(predictor, device)
-    nbytes, device_s, decode_max = 0, 0.0, 0.0
+    """Seconds from now until every chunk is loaded with ``chosen``, simulated in order.
+
+    The link delivers the fetched chunks one after another; the device
+    decodes each after it arrives, and recomputes a text chunk once every
+    chunk before it is in the cache.
+    """
+    link_bytes = busy.link_bytes
+    device_free = busy.text_ready_s if chunks and chosen[chunks[0].index].level == TEXT else 0.0
+    device_free = max(device_free, busy.device_s)
     for chunk in chunks:
-        b, d = est.cost(chunk, chosen[chunk.index])
-        nbytes += b
-        device_s += d
-        if chosen[chunk.index].level != TEXT:
-            decode_max = max(decode_max, d)
-    return est.finish(nbytes, device_s, decode_max)
+        option = chosen[chunk.index]
+        if option.level != TEXT:
+            link_bytes += option.bytes
+            device_free = max(device_free, predictor.predict_seconds(link_bytes))
+        device_free += option.device_s
+    if link_bytes:  # the fetches in flight must arrive too, even if nothing follows them
+        device_free = max(device_free, predictor.predict_seconds(link_bytes))
+    return device_free
+
+
+def cachegen_plan(
+    chunks: Sequence[ChunkChoice],
+    predictor: ThroughputPredictor,
+    deadline_s: float | None,
+    busy: Busy = IDLE,
+) -> Plan:
+    """CacheGen's controller, the baseline ``bench/abr.py`` compares against.
+
+    Each chunk gets an even share of the time left; it takes the best level
+    whose transfer fits its share at the predicted throughput, else ``text``.
+    """
+    chosen: dict[int, Option] = {}
+    share = None if deadline_s is None or not chunks else deadline_s / len(chunks)
+    for chunk in chunks:
+        fetched = sorted(
+            (o for o in chunk.options if o.level != TEXT), key=lambda o: (-o.quality, o.bytes)
+        )
+        text = [o for o in chunk.options if o.level == TEXT]
+        fits = [o for o in fetched if share is None or predictor.predict_seconds(o.bytes) <= share]
+        chosen[chunk.index] = (fits or text or fetched[-1:])[0]
+    finish = estimate(chunks, chosen, predictor, busy)
+    return Plan(chosen, finish, deadline_s is None or finish <= deadline_s)
+
+
+cachegen_plan.cancels_late_fetches = False  # type: ignore[attr-defined]  # per chunk, no second thoughts

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kvcdn.sdk.planner import (
     TEXT,
+    Busy,
     ChunkChoice,
-    DeviceSpeed,
     HarmonicPredictor,
     Option,
     plan,
@@ -23,7 +23,8 @@ LADDER = (
     ("default", 2_170_000, 0.960),
     ("lowest", 1_600_000, 0.921),
 )
-DEVICE = DeviceSpeed(decode_bytes_per_s=1e9, prefill_tokens_per_s=400.0)  # 256 tokens: 0.64 s
+DECODE_BPS = 1e9  # the synthetic device decodes 1 GB/s ...
+PREFILL_TPS = 400.0  # ... and recomputes 400 tokens/s (256 tokens: 0.64 s)
 
 
 class FixedLink:
@@ -40,30 +41,31 @@ class FixedLink:
 
 
 def chunks(n: int, tokens: int = 256, ladder=LADDER) -> list[ChunkChoice]:
-    options = tuple(Option(name, b, q) for name, b, q in ladder) + (Option(TEXT, 0, 1.0),)
+    options = tuple(Option(name, b, q, b / DECODE_BPS) for name, b, q in ladder)
+    options += (Option(TEXT, 0, 1.0, tokens / PREFILL_TPS),)
     return [ChunkChoice(i, tokens, options) for i in range(n)]
 
 
-def finish_time(cs, choices, link, device=DEVICE) -> float:
+def finish_time(cs, choices, link) -> float:
     """The time model, computed independently of the planner."""
     fetched = [choices[c.index] for c in cs if choices[c.index].level != TEXT]
     link_s = link.predict_seconds(sum(o.bytes for o in fetched))
-    last_decode = max((device.decode_seconds(o.bytes) for o in fetched), default=0.0)
-    device_s = sum(device.decode_seconds(o.bytes) for o in fetched) + sum(
-        device.recompute_seconds(c.tokens) for c in cs if choices[c.index].level == TEXT
+    last_decode = max((o.bytes / DECODE_BPS for o in fetched), default=0.0)
+    device_s = sum(o.bytes / DECODE_BPS for o in fetched) + sum(
+        c.tokens / PREFILL_TPS for c in cs if choices[c.index].level == TEXT
     )
     return max(link_s + last_decode, device_s)
 
 
 def test_without_a_deadline_every_chunk_gets_its_best_level():
-    p = plan(chunks(8), FixedLink(1e6), DEVICE, None)
+    p = plan(chunks(8), FixedLink(1e6), None)
     assert {o.level for o in p.choices.values()} == {"nearlossless"}
     assert p.feasible
 
 
 def test_with_slack_the_best_quality_is_chosen():
     link = FixedLink(1e9)  # 8 chunks of 2.9 MB in 23 ms
-    p = plan(chunks(8), link, DEVICE, deadline_s=1.0)
+    p = plan(chunks(8), link, deadline_s=1.0)
     assert p.feasible and {o.level for o in p.choices.values()} <= {"nearlossless", TEXT}
     assert p.quality == pytest.approx(8 * 0.986, abs=0.03)  # exact text only where free
 
@@ -71,7 +73,7 @@ def test_with_slack_the_best_quality_is_chosen():
 def test_the_deadline_is_met_when_it_can_be():
     cs = chunks(8)
     link = FixedLink(20e6)  # 20 MB/s: all nearlossless (23 MB) would take 1.16 s
-    p = plan(cs, link, DEVICE, deadline_s=0.8)
+    p = plan(cs, link, deadline_s=0.8)
     assert p.feasible
     assert finish_time(cs, p.choices, link) <= 0.8 + 1e-9
     assert p.predicted_s == pytest.approx(finish_time(cs, p.choices, link))
@@ -82,7 +84,7 @@ def test_the_deadline_is_met_when_it_can_be():
 def test_text_is_chosen_when_the_link_collapses():
     cs = chunks(4)
     link = FixedLink(1_000.0)  # 1 kB/s: nothing arrives in time
-    p = plan(cs, link, DEVICE, deadline_s=3.0)  # recomputing all 4 takes 2.56 s
+    p = plan(cs, link, deadline_s=3.0)  # recomputing all 4 takes 2.56 s
     assert p.feasible
     assert {o.level for o in p.choices.values()} == {TEXT}
 
@@ -90,7 +92,7 @@ def test_text_is_chosen_when_the_link_collapses():
 def test_a_deadline_that_cannot_be_met_gives_the_fastest_plan_and_says_so():
     cs = chunks(6)
     link = FixedLink(1e6)
-    p = plan(cs, link, DEVICE, deadline_s=0.01)
+    p = plan(cs, link, deadline_s=0.01)
     assert not p.feasible
     fastest = min(
         finish_time(cs, dict(enumerate(combo)), link)
@@ -111,7 +113,7 @@ def test_greedy_matches_brute_force_on_small_cases(bps, deadline, sizes, n):
     ladder = tuple(zip(("a", "b", "c"), sizes, (0.99, 0.95, 0.90), strict=True))
     cs = chunks(n, ladder=ladder)
     link = FixedLink(bps)
-    p = plan(cs, link, DEVICE, deadline)
+    p = plan(cs, link, deadline)
     best_q, fastest = -1.0, float("inf")
     for combo in itertools.product(*(c.options for c in cs)):
         choices = {c.index: o for c, o in zip(cs, combo, strict=True)}
@@ -140,9 +142,48 @@ def test_harmonic_predictor_learns_and_keeps_a_margin():
 
 def test_harmonic_predictor_handles_zero_bytes_and_zero_time():
     pr = HarmonicPredictor(initial_bps=1e6)
-    pr.observe(0, 0.5)  # no bytes: no information
+    pr.observe(0, 0.0)  # nothing in no time: no information
     assert pr.throughput() == 1e6
     pr.observe(1000, 0.0)  # instantaneous: capped, not a division by zero
     assert 0 < pr.throughput() <= pr.max_bps
-    pr.observe(1000, 1e6)  # a stalled link
-    assert pr.throughput() > 0 and pr.predict_seconds(1) < float("inf")
+    pr.observe(0, 0.5)  # half a second with nothing arriving: a stalled link
+    assert 0 < pr.throughput() <= 1e3 and pr.predict_seconds(1) < float("inf")
+    for _ in range(5):
+        pr.observe(4_000_000, 1.0)  # the link recovers, and so does the prediction
+    assert pr.throughput() > 1e6
+
+
+def test_a_stall_makes_the_plan_recompute():
+    cs = chunks(4)
+    pr = HarmonicPredictor(initial_bps=50e6)
+    assert {o.level for o in plan(cs, pr, 3.0).choices.values()} == {"nearlossless"}
+    pr.observe(0, 0.5)
+    assert {o.level for o in plan(cs, pr, 3.0).choices.values()} == {TEXT}
+
+
+def test_text_goes_first_so_the_device_starts_at_once():
+    cs = chunks(8)
+    link = FixedLink(8e6)  # 8 chunks of 1.6 MB: 1.6 s even at the lowest level
+    p = plan(cs, link, deadline_s=1.5)
+    assert p.feasible
+    levels = [p.choices[i].level for i in range(8)]
+    n_text = levels.count(TEXT)
+    assert 0 < n_text < 8 and levels[:n_text] == [TEXT] * n_text
+    assert p.predicted_s == pytest.approx(finish_time(cs, p.choices, link))
+
+
+def test_work_under_way_is_counted():
+    cs = chunks(4)
+    link = FixedLink(20e6)
+    idle = plan(cs, link, deadline_s=0.6)
+    busy = plan(cs, link, deadline_s=0.6, busy=Busy(link_bytes=4_000_000))  # 0.2 s more link
+    assert busy.predicted_s > idle.predicted_s or busy.quality < idle.quality
+    assert plan(cs, link, 0.6, Busy(device_s=10.0)).feasible is False
+
+
+def test_a_fetch_in_flight_on_a_dead_link_makes_the_plan_infeasible():
+    cs = chunks(2)
+    link = FixedLink(1_000.0)
+    p = plan(cs, link, deadline_s=5.0, busy=Busy(link_bytes=50_000))  # 50 s still to come
+    assert {o.level for o in p.choices.values()} == {TEXT}
+    assert not p.feasible and p.predicted_s >= 50.0
