@@ -111,6 +111,8 @@ class Edge:
         app.router.add_post("/warm", self.warm)
         app.router.add_get("/warm", self.warm_jobs)
         app.router.add_get("/warm/{id:[0-9a-f]{16}}", self.warm_status)
+        app.router.add_get("/shaping", self.shaping)
+        app.router.add_post("/shaping", self.shaping)
         app.router.add_get("/", self.root_listing)
         app.router.add_get("/{path:.+}", self.serve)
         app.on_startup.append(self._start)
@@ -349,6 +351,25 @@ class Edge:
         if job is None:
             raise web.HTTPNotFound(text="no such warm job (finished jobs are kept a while)\n")
         return web.json_response(job.to_json())
+
+    # ---- link shaping ----------------------------------------------------------
+    async def shaping(self, request: web.Request) -> web.Response:
+        """``GET /shaping``: the shaped link's trace clock. ``POST /shaping`` with
+        ``{"offset_s": S}``: replay the trace from ``S`` now, on an idle link, so
+        that runs of an experiment see the same bandwidth (admin token)."""
+        self._authorise(request, self.admin_token)
+        if self.shaper is None:
+            raise web.HTTPNotFound(text="this edge does not shape its link\n")
+        if request.method == "POST":
+            try:
+                body = await request.json()
+                offset = float(body["offset_s"])
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+                raise web.HTTPBadRequest(text='the body must be JSON: {"offset_s": S}\n') from None
+            if not 0 <= offset < 1e9:
+                raise web.HTTPBadRequest(text="offset_s must be a non-negative number\n")
+            self.shaper.restart(offset)
+        return web.json_response({"trace_time_s": self.shaper.trace_time()})
 
     async def warm_jobs(self, request: web.Request) -> web.Response:
         self._authorise(request, self.admin_token)

@@ -117,6 +117,15 @@ class LinkShaper:
     def replay(cls, trace: Trace, *, offset_s: float = 0.0) -> LinkShaper:
         return cls(trace.segment, offset_s=offset_s)
 
+    def trace_time(self) -> float:
+        """The trace's clock now (seconds since trace time 0, not wrapped)."""
+        return time.monotonic() - self._origin
+
+    def restart(self, offset_s: float) -> None:
+        """Replay from ``offset_s`` now, on an idle link (for repeatable experiments)."""
+        self._origin = time.monotonic() - offset_s
+        self._free_at = offset_s
+
     async def send(self, n: int) -> None:
         """Wait until ``n`` more bytes may go out."""
         now = time.monotonic() - self._origin

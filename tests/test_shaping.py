@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from kvcdn.edge.shaping import Trace, TraceError, seconds_to_send
-from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get
+from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get, post_json
 
 
 def write_trace(path, rows) -> str:
@@ -80,3 +81,40 @@ def test_a_trace_driven_edge_follows_the_trace(one_object, tmp_path):
         assert expected * 0.9 <= seconds <= expected * 3
     finally:
         node.kill()
+
+
+def test_the_trace_can_be_restarted_at_an_offset(one_object, tmp_path):
+    """``POST /shaping`` replays the trace from an offset, on an idle link (admin token)."""
+    origin, key, data = one_object
+    # 1 MB/s for 10 s, then 8 MB/s: where the replay starts decides the transfer time
+    trace = write_trace(tmp_path / "t.log", [(0, 8), (10, 64), (100, 64)])
+    token = tmp_path / "admin"
+    token.write_text("s3cret\n")
+    node = EdgeProcess(
+        origin.url, tmp_path / "c", origin.endpoint,
+        "--throttle-trace", trace, "--admin-token-file", str(token),
+    ).start()  # fmt: skip
+    plain = EdgeProcess(origin.url, tmp_path / "p", origin.endpoint).start()
+    admin = {"Authorization": "Bearer s3cret"}
+    try:
+        assert post_json(f"{node.url}/shaping", {"offset_s": 10})[0] == 401
+        assert post_json(f"{node.url}/shaping", {"offset": 1}, admin)[0] == 400
+        assert post_json(f"{node.url}/shaping", {"offset_s": -1}, admin)[0] == 400
+        assert post_json(f"{plain.url}/shaping", {"offset_s": 1})[0] == 404  # not shaped
+        _timed_get(f"{node.url}/{key}")
+        node.wait_cached(1)
+
+        status, body = post_json(f"{node.url}/shaping", {"offset_s": 10}, admin)
+        assert status == 200 and 10 <= body["trace_time_s"] < 10.5
+        fast, _ = _timed_get(f"{node.url}/{key}")
+        status, body = post_json(f"{node.url}/shaping", {"offset_s": 0}, admin)
+        assert status == 200 and body["trace_time_s"] < 0.5
+        slow, got = _timed_get(f"{node.url}/{key}")
+        assert got == data
+        assert len(data) / 1e6 * 0.9 <= slow  # 1 MB/s
+        assert fast <= len(data) / 8e6 * 3 < slow  # 8 MB/s
+        status, _, clock = get(f"{node.url}/shaping", admin)
+        assert status == 200 and json.loads(clock)["trace_time_s"] >= slow
+    finally:
+        node.kill()
+        plain.kill()
