@@ -21,7 +21,7 @@ import re
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,45 @@ from kvcdn.store import Store
 log = logging.getLogger(__name__)
 
 DOWN_S = 5.0  # after a connection failure, an edge is tried last for this long
+PIECE = 64 << 10  # bodies are read in pieces of this size, reporting progress
+
+
+class FetchCancelled(Exception):
+    """A fetch stopped because its caller cancelled it."""
+
+
+class Cancel:
+    """Cancels a fetch from another thread, even one blocked on a stalled link.
+
+    Setting it marks the fetch cancelled and shuts the socket the fetch is
+    reading from, so the read returns at once instead of at its timeout.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+        self._abort: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            abort = self._abort
+        if abort is not None:
+            try:
+                abort()
+            except (OSError, ValueError, RuntimeError):
+                pass  # already closed or released: the reader sees the flag
+
+    def bind(self, abort: Callable[[], None] | None) -> None:
+        with self._lock:
+            self._abort = abort
+        if abort is not None and self._set:
+            self.set()
+
+
 _EDGE_URL = re.compile(r"^https?://[^/\s?#]+(/[^\s?#]*)?$")
 _DOC_KEY = re.compile(r"^docs/([^/]+)/")
 
@@ -122,21 +161,44 @@ class EdgeStore:
         return [e for e in ranked if e not in down] + [e for e in ranked if e in down]
 
     # ---- reading ---------------------------------------------------------------
-    def fetch(self, key: str, placement: str | None = None) -> Fetched:
+    def fetch(
+        self,
+        key: str,
+        placement: str | None = None,
+        *,
+        on_bytes: Callable[[int], None] | None = None,
+        cancel: Cancel | None = None,
+    ) -> Fetched:
+        """Read ``key`` from the first edge that serves it (then the origin).
+
+        The body is read in pieces: ``on_bytes(n)`` is called as each piece
+        arrives, and setting ``cancel`` stops the read (:class:`FetchCancelled`).
+        A body cut short counts as a failure of that edge.
+        """
         started = time.perf_counter()
         failures = []
         for edge in self.order(placement or placement_key(key)):
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled
             try:
-                resp = self._http.request("GET", f"{edge}/{quote(key)}", headers=self._headers)
-            except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out, cut short
+                resp = self._http.request(
+                    "GET", f"{edge}/{quote(key)}", headers=self._headers, preload_content=False
+                )
+                if resp.status == 200:
+                    data = self._read_body(resp, on_bytes, cancel)
+                    return Fetched(key, data, edge, time.perf_counter() - started)
+                body = resp.read(300)
+                resp.drain_conn()  # the rest of an error body, so the connection is reusable
+                resp.release_conn()
+            except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
+                if cancel is not None and cancel.is_set():
+                    raise FetchCancelled from None  # our own shutdown of the socket
                 with self._lock:
                     self._down[edge] = time.monotonic() + DOWN_S
                 failures.append(f"{edge}: {exc}")
                 log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
                 continue
-            if resp.status == 200:
-                return Fetched(key, resp.data, edge, time.perf_counter() - started)
-            reason = resp.data[:300].decode("utf-8", "replace").strip()
+            reason = body.decode("utf-8", "replace").strip()
             if resp.status == 404:
                 raise NotFound(f"{key}: not found (edge {edge}: {reason})")
             if resp.status in (401, 403):
@@ -151,8 +213,35 @@ class EdgeStore:
             )
         if self.origin is not None:
             data = self.origin.get(key)
+            if on_bytes is not None:
+                on_bytes(len(data))
             return Fetched(key, data, "origin", time.perf_counter() - started)
         raise StoreError(f"no edge could serve {key}: {'; '.join(failures)}")
+
+    @staticmethod
+    def _read_body(
+        resp: Any, on_bytes: Callable[[int], None] | None, cancel: Cancel | None
+    ) -> bytes:
+        pieces = []
+        if cancel is not None:
+            cancel.bind(resp.shutdown)
+        try:
+            for piece in resp.stream(PIECE):
+                pieces.append(piece)
+                if on_bytes is not None:
+                    on_bytes(len(piece))
+                if cancel is not None and cancel.is_set():
+                    raise FetchCancelled
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled  # the shut socket ended the body early
+        except BaseException:
+            resp.close()  # the rest of the body is unread: the connection cannot be reused
+            raise
+        finally:
+            if cancel is not None:
+                cancel.bind(None)
+            resp.release_conn()
+        return b"".join(pieces)
 
     def fetch_many(self, keys: list[str], placement: str | None = None) -> dict[str, Fetched]:
         """Fetch ``keys`` concurrently (bounded), each with failover."""
