@@ -103,7 +103,7 @@ def main() -> int:
                 samples = []
                 for _ in range(args.repeats):
                     t = time.perf_counter()
-                    ctx = sdk.load_context(name, store=url, model=model, level=level)
+                    ctx = sdk.load_context(name, store=url, model=model, quality=level)
                     answer = ctx.generate(QUESTION, max_new_tokens=1)
                     samples.append((time.perf_counter() - t, ctx.plan, answer.ttft_s))
                 samples.sort(key=lambda s: s[0])

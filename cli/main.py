@@ -706,8 +706,21 @@ def warm(
 @click.argument("doc", metavar="DOC")
 @click.argument("question")
 @click.option(
+    "--quality",
     "--level",
-    help="Quality level to load, or 'text' to recompute. [default: the 'default' level]",
+    "quality",
+    default="auto",
+    show_default=True,
+    help="'auto': choose each chunk's level (or recompute it) by the link, the device and "
+    "--deadline; a level name loads every chunk at that level; 'text' recomputes everything.",
+)
+@click.option(
+    "--deadline",
+    "deadline_s",
+    type=click.FloatRange(min=0.0, min_open=True),
+    metavar="SECONDS",
+    help="Time-to-first-token deadline for --quality auto: the best quality that arrives in "
+    "time. [default: none, every chunk at the best level]",
 )
 @click.option(
     "--compare",
@@ -736,7 +749,8 @@ def warm(
 def ask(
     doc: str,
     question: str,
-    level: str | None,
+    quality: str,
+    deadline_s: float | None,
     compare: bool,
     max_new_tokens: int,
     edges: tuple[str, ...],
@@ -754,7 +768,8 @@ def ask(
 
     \b
       kvcdn ask sed-manual "How do I edit a file in place?" --compare
-      kvcdn ask sed-manual "..." --edge http://edge-a:8080 --edge http://edge-b:8080
+      kvcdn ask sed-manual "..." --deadline 0.5 --edge http://edge-a:8080
+      kvcdn ask sed-manual "..." --quality default     # every chunk at one level
     """
     target: Reader
     if edges:
@@ -764,7 +779,9 @@ def ask(
         target = EdgeStore(list(edges), origin, token=_read_token(edge_token_file))
     else:
         target = _open(store, endpoint_url)
-    result = _ask(doc, question, level, compare, max_new_tokens, model, target, device)
+    result = _ask(
+        doc, question, quality, deadline_s, compare, max_new_tokens, model, target, device
+    )
     if as_json:
         _emit_json(result)
     else:
@@ -774,7 +791,8 @@ def ask(
 def _ask(
     doc: str,
     question: str,
-    level: str | None,
+    quality: str,
+    deadline_s: float | None,
     compare: bool,
     max_new_tokens: int,
     model: str | None,
@@ -800,18 +818,28 @@ def _ask(
         else:
             with err.status("loading model…"):
                 loaded = load_model(None, device)
-    ctx = sdk.load_context(doc, model=loaded, store=target, level=level, device=device)
+    ctx = sdk.load_context(
+        doc, model=loaded, store=target, quality=quality, deadline_s=deadline_s, device=device
+    )
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
+    plan = ctx.plan
     result: dict[str, Any] = {
         "document": ctx.name,
         "question": question,
         "kvcdn": {
             "answer": answer.text,
-            "level": ctx.plan.level,
-            "bytes": ctx.plan.bytes,
-            "sources": dict(Counter(ctx.plan.chunk_sources)),
-            "load_seconds": ctx.plan.seconds,
-            "ttft_s": ctx.plan.total_seconds + answer.ttft_s,
+            "quality": plan.level,
+            "levels": dict(Counter(plan.chunk_levels)),
+            "mean_quality": plan.mean_quality,
+            "bytes": plan.bytes,
+            "sources": dict(Counter(plan.chunk_sources)),
+            "load_seconds": plan.seconds,
+            "deadline_s": plan.deadline_s,
+            "predicted_ttft_s": plan.predicted_ttft_s,
+            "ttft_s": plan.ready_s + answer.ttft_s,
+            "replans": plan.replans,
+            "cancelled_fetches": plan.cancelled,
+            "chunks": [c.__dict__ for c in plan.chunks],
         },
     }
     if compare:
@@ -828,7 +856,15 @@ def _ask(
 def _print_answers(result: dict[str, Any]) -> None:
     kv = result["kvcdn"]
     out.print(f"[bold]{escape(result['document'])}[/] · {escape(result['question'])}")
-    out.print(f"\n[bold cyan]kvcdn ({kv['level']})[/] first token after {kv['ttft_s']:.2f} s")
+    levels = ", ".join(f"{n}×{lv}" for lv, n in kv["levels"].items())
+    out.print(f"\n[bold cyan]kvcdn ({kv['quality']})[/] first token after {kv['ttft_s']:.2f} s")
+    line = f"[dim]{levels}; {_mb(kv['bytes'])}"
+    if kv["predicted_ttft_s"] is not None:
+        line += f"; planned {kv['predicted_ttft_s']:.2f} s"
+    if kv["deadline_s"] is not None:
+        met = kv["ttft_s"] <= kv["deadline_s"]
+        line += f"; deadline {kv['deadline_s']:g} s {'met' if met else '[red]missed[/]'}"
+    out.print(line + "[/]")
     if any(source.startswith("http") or source == "origin" for source in kv["sources"]):
         served = ", ".join(f"{escape(s)} ({n} chunks)" for s, n in kv["sources"].items())
         out.print(f"[dim]served by {served}[/]")
@@ -875,7 +911,15 @@ def demo(store: str | None, endpoint_url: str | None, device: str | None, as_jso
             f"{escape(target.url)} ({published.token_count} tokens)\n"
         )
     result = _ask(
-        f"{published.name}@{published.version}", DEMO_QUESTION, None, True, 48, None, target, device
+        f"{published.name}@{published.version}",
+        DEMO_QUESTION,
+        "auto",
+        None,
+        True,
+        48,
+        None,
+        target,
+        device,
     )
     if as_json:
         _emit_json({"publish": published.__dict__, "ask": result})

@@ -198,6 +198,25 @@ class LoadedModel:
             )
         return kv_from_cache(cache)
 
+    def extend(self, kv_prefix: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """The KV ``[L, 2, H, len(ids), D]`` of ``ids`` read after ``kv_prefix``.
+
+        This recomputes a chunk in context: the tokens attend to the prefix's
+        cached KV (``[L, 2, H, T, D]``, ``T`` may be 0) at positions from ``T`` on.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        start = kv_prefix.shape[3]
+        cache = self.cache_from_kv(kv_prefix) if start else DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.model(
+                torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True
+            )
+        return torch.stack(
+            [torch.stack([la.keys[0, :, start:], la.values[0, :, start:]]) for la in cache.layers]
+        )
+
     def cache_from_kv(self, kv: torch.Tensor) -> Any:
         """A transformers ``DynamicCache`` holding ``kv`` (``[L, 2, H, T, D]``)."""
         from transformers import DynamicCache

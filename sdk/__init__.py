@@ -8,7 +8,7 @@ ctx = sdk.load_context("sed-manual", edges=["http://edge-a:8080", "http://edge-b
 print(ctx.generate("How do I edit a file in place?").text)
 """
 
-from .context import Answer, Context, LoadPlan, answer_with_prefill, load_context
+from .context import Answer, Context, LoadPlan, answer_with_prefill, forget_links, load_context
 from .edges import EdgeAdmin, EdgeStore, plan_warm, rendezvous
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "EdgeStore",
     "LoadPlan",
     "answer_with_prefill",
+    "forget_links",
     "load_context",
     "plan_warm",
     "rendezvous",

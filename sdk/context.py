@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcdn import catalog
-from kvcdn.codec import RANS_CODEC, TEXT_LEVEL, decode_chunk
-from kvcdn.errors import FingerprintMismatch, FormatError, InputError, IntegrityError, NotFound
+from kvcdn.codec import RANS_CODEC, TEXT_LEVEL
+from kvcdn.errors import FingerprintMismatch, FormatError, InputError, NotFound
 from kvcdn.kv import split_chunks
 from kvcdn.manifest import NAME_PATTERN, Manifest
 from kvcdn.models import LoadedModel, crop_cache, load_model
@@ -20,34 +21,63 @@ from kvcdn.profiles import load_profile
 from kvcdn.publish import document_text, read_document, source_digest
 from kvcdn.store import Reader, Store, open_store
 
-from .edges import EdgeStore
+from .devspeed import device_speed
+from .edges import Cancel, EdgeStore
+from .planner import HarmonicPredictor, Policy, ThroughputPredictor, plan
+from .streaming import ChunkReport, FetchFn, Pipeline
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-#: Without a level, the calibrated default, else the closest level above it.
-DEFAULT_LEVEL_PREFERENCE = ("default", "high", "nearlossless", "int8", "fp16", "low", "lowest")
+#: ``quality="auto"``: each chunk's level (or recompute) chosen by the planner.
+AUTO = "auto"
+#: The deadline keeps room for a question of this many tokens to reach its first token.
+ANSWER_RESERVE_TOKENS = 32
 _REF = re.compile(rf"^{NAME_PATTERN}(@(\d+|latest))?$")
 
 
 @dataclass
 class LoadPlan:
-    """What ``load_context`` did: which level per chunk, how many bytes, how long."""
+    """What ``load_context`` did: per chunk the level and source, the bytes, the times.
+
+    ``predicted_ttft_s`` is what the first plan expected and ``ready_s`` what
+    happened, both in seconds from the call (model loading excluded). The
+    time to first token of a question asked at once is ``ready_s`` plus the
+    answer's own ``ttft_s``; ``predicted_ttft_s`` includes an estimate of
+    that last step, a 32-token question's forward pass.
+    """
 
     store: str
-    level: str
+    level: str  # what was asked for: "auto", a level name, or "text"
     chunk_levels: list[str]
     bytes: int
     seconds: dict[str, float] = field(default_factory=dict)
     #: Per chunk, what served its object: an edge URL, "origin" (after every
     #: edge failed), the store's URL (no edges), or "text" (recomputed).
     chunk_sources: list[str] = field(default_factory=list)
+    chunks: list[ChunkReport] = field(default_factory=list)
+    deadline_s: float | None = None
+    predicted_ttft_s: float | None = None
+    ready_s: float = 0.0
+    #: The first plan expected to meet the deadline; False: it could not, and
+    #: the load did its best (the fastest plan it found).
+    feasible: bool = True
+    replans: int = 0
+    cancelled: int = 0  # fetches abandoned because they could no longer make the deadline
 
     @property
     def total_seconds(self) -> float:
-        return sum(self.seconds.values())
+        return sum(v for k, v in self.seconds.items() if k != "measure_device")
+
+    @property
+    def mean_quality(self) -> float | None:
+        """The quality score of the loaded chunks (1.0: exact), weighted by their tokens."""
+        tokens = sum(c.tokens for c in self.chunks)
+        if not tokens:
+            return None
+        return sum(c.quality * c.tokens for c in self.chunks) / tokens
 
 
 @dataclass
@@ -102,26 +132,43 @@ def load_context(
     *,
     model: str | LoadedModel | None = None,
     store: str | Reader | None = None,
-    level: str | None = None,
+    quality: str = AUTO,
+    deadline_s: float | None = None,
     device: str | None = None,
     endpoint_url: str | None = None,
     edges: list[str] | None = None,
     edge_token: str | None = None,
+    predictor: ThroughputPredictor | None = None,
+    policy: Policy | None = None,
 ) -> Context:
     """Load a published document's KV into a model cache.
 
     ``source`` is a document path, its text, or ``name[@version]``. The model
-    defaults to the one the document was published with; ``level`` defaults
-    to the calibrated ``default`` level (else the closest the manifest has).
+    defaults to the one the document was published with.
+
+    ``quality="auto"`` (the default) picks each chunk's level, or recomputes
+    it from its tokens, to finish within ``deadline_s`` seconds of this call
+    (model loading excluded) at the best quality the link and the device
+    allow, re-planning as chunks arrive; without a deadline every chunk is
+    fetched at the best level. A level name loads every chunk at that level;
+    ``"text"`` recomputes the whole document (a full prefill).
+    ``ctx.plan`` reports what was done, chunk by chunk.
 
     With ``edges`` (edge node URLs), everything is read through them: each
     document from the edges its placement prefers, failing over to the next
     edge on errors and timeouts, and to ``store`` last when one is given
     (with ``edges`` and no ``store``, only the edges are asked).
     ``edge_token`` is the edges' read token.
+
+    ``predictor`` replaces the link's throughput predictor (by default one
+    per source, kept for the process: RobustMPC's harmonic mean), and
+    ``policy`` the planner (:func:`kvcdn.sdk.planner.plan`).
     """
+    started = time.perf_counter()
+    if deadline_s is not None and not deadline_s > 0:
+        raise InputError(f"deadline_s must be a positive number of seconds, not {deadline_s!r}")
+    quality = (quality or AUTO).strip().lower()
     seconds: dict[str, float] = {}
-    t = time.perf_counter()
     reader: Reader
     if edges:
         origin = None
@@ -136,6 +183,7 @@ def load_context(
         reader = store  # a Store, or an EdgeStore the caller configured
     loaded = model if isinstance(model, LoadedModel) else None
     manifest = None
+    t = time.perf_counter()
     if isinstance(source, Path) or (isinstance(source, str) and _is_existing_file(source)):
         text, what = read_document(source), str(source)
     elif isinstance(source, str) and _REF.match(source.strip()):
@@ -147,7 +195,7 @@ def load_context(
         if loaded is None:  # loading the model is a one-off cost, not part of resolving
             t_model = time.perf_counter()
             loaded = load_model(model if isinstance(model, str) else None, device)
-            t += time.perf_counter() - t_model
+            started += time.perf_counter() - t_model
         found = catalog.find_by_source(reader, loaded.fingerprint, source_digest(text))
         if found is None:
             raise NotFound(
@@ -155,18 +203,71 @@ def load_context(
                 "publish it first (kvcdn publish)"
             )
         manifest = catalog.read_manifest(reader, *found)
-    seconds["resolve"] = time.perf_counter() - t
-
+    resolve_s = time.perf_counter() - t
     if loaded is None:
+        t_model = time.perf_counter()
         loaded = load_model(model or manifest.model_name, device)
+        started += time.perf_counter() - t_model
+    seconds["resolve"] = time.perf_counter() - started
     if loaded.fingerprint != manifest.model_fingerprint:
         raise FingerprintMismatch(
             f"{manifest.name}@{manifest.version} holds KV of model {manifest.model_name} "
             f"(fingerprint {manifest.model_fingerprint[:12]}), not of {loaded.name} "
             f"({loaded.fingerprint[:12]}); load it with the model it was published with"
         )
-    level = _choose_level(manifest, level)
-    return _assemble(manifest, loaded, reader, level, seconds)
+    _check_quality(manifest, quality)
+    if predictor is None:
+        predictor = _link_predictor(reader.url)
+        if isinstance(predictor, HarmonicPredictor) and not predictor.samples:
+            # the manifest's transfer is the first sample of a new link; being
+            # small, it understates the throughput, which errs on the safe side
+            predictor.observe(len(manifest.dumps()), resolve_s)
+    load = _Load(manifest, loaded, reader, quality, deadline_s, started, seconds)
+    return load.run(predictor, policy or plan)
+
+
+#: The SDK's throughput predictors, one per source, kept for the process.
+_predictors: dict[str, ThroughputPredictor] = {}
+_predictors_lock = threading.Lock()
+
+
+def forget_links() -> None:
+    """Forget the throughput the SDK has learnt for each source (after a network
+    change, or to measure loads that start cold)."""
+    with _predictors_lock:
+        _predictors.clear()
+
+
+def _link_predictor(source: str) -> ThroughputPredictor:
+    with _predictors_lock:
+        if source not in _predictors:
+            _predictors[source] = HarmonicPredictor()
+        return _predictors[source]
+
+
+def quality_scores(manifest: Manifest) -> dict[str, float]:
+    """Each level's quality score for the planner: 1.0 is the model's exact KV.
+
+    The score is the level's measured top-1 agreement with exact KV minus its
+    mean KL (which orders levels of equal agreement). ``fp16`` and ``text``
+    are exact. A lossy level without a measurement is scored like the best
+    measured level with no more bits per element, else 0.99.
+    """
+    scores: dict[str, float] = {TEXT_LEVEL: 1.0}
+    for name, lv in manifest.levels.items():
+        if lv.codec == "fp16":
+            scores[name] = 1.0
+        elif "top1_agree" in lv.quality:
+            scores[name] = lv.quality["top1_agree"] - lv.quality.get("kl", 0.0)
+    for name, lv in manifest.levels.items():
+        if name not in scores:
+            below = [
+                scores[o]
+                for o, other in manifest.levels.items()
+                if o in scores and other.bits_per_element <= lv.bits_per_element
+            ]
+            scores[name] = max(below, default=0.99)
+    return scores
 
 
 def _is_existing_file(source: str) -> bool:
@@ -178,116 +279,174 @@ def _is_existing_file(source: str) -> bool:
         return False
 
 
-def _choose_level(manifest: Manifest, level: str | None) -> str:
-    if level:
-        if level not in manifest.levels:
-            raise InputError(
-                f"{manifest.name}@{manifest.version} has no level '{level}' "
-                f"(it has {', '.join(manifest.levels)})"
-            )
-        return level
-    for preferred in DEFAULT_LEVEL_PREFERENCE:
-        if preferred in manifest.levels:
-            return preferred
-    return next(iter(manifest.levels))
-
-
-def _recompute(
-    manifest: Manifest, loaded: LoadedModel, reader: Reader, seconds: dict[str, float]
-) -> Context:
-    """The ``text`` level: prefill the manifest's tokens on the device."""
-    t = time.perf_counter()
-    cache = loaded.cache_from_kv(loaded.prefill(manifest.token_ids))
-    seconds["recompute"] = time.perf_counter() - t
-    plan = LoadPlan(
-        store=reader.url,
-        level=TEXT_LEVEL,
-        chunk_levels=[TEXT_LEVEL] * len(manifest.chunks),
-        bytes=0,
-        seconds=seconds,
-        chunk_sources=[TEXT_LEVEL] * len(manifest.chunks),
+def _check_quality(manifest: Manifest, quality: str) -> None:
+    if quality in (AUTO, TEXT_LEVEL) or quality in manifest.levels:
+        return
+    raise InputError(
+        f"{manifest.name}@{manifest.version} has no level '{quality}' (it has "
+        f"{', '.join(manifest.levels)}; or use 'auto', or 'text' to recompute)"
     )
-    return Context(manifest, loaded, cache, plan)
 
 
-def _assemble(
-    manifest: Manifest, loaded: LoadedModel, reader: Reader, level: str, seconds: dict[str, float]
-) -> Context:
-    import torch
+class _Load:
+    """One ``load_context`` call after resolving: the pipeline, then the cache."""
 
-    # The chain hashes must follow from the manifest's own tokens: this ties
-    # every object key back to the text the manifest claims it holds.
-    expected = split_chunks(loaded.fingerprint, manifest.token_ids, manifest.chunk_tokens)
-    if [c.hash for c in expected] != [c.hash for c in manifest.chunks]:
-        raise FormatError(
-            f"manifest of {manifest.name}@{manifest.version}: chunk hashes do not match its tokens"
-        )
-    if level == TEXT_LEVEL:
-        return _recompute(manifest, loaded, reader, seconds)
-    refs = [chunk.objects.get(level) for chunk in manifest.chunks]
-    if any(ref is None for ref in refs):
-        raise FormatError(f"{manifest.name}@{manifest.version} lacks level {level} for a chunk")
+    def __init__(
+        self,
+        manifest: Manifest,
+        loaded: LoadedModel,
+        reader: Reader,
+        quality: str,
+        deadline_s: float | None,
+        started: float,
+        seconds: dict[str, float],
+    ) -> None:
+        self.manifest = manifest
+        self.loaded = loaded
+        self.reader = reader
+        self.quality = quality
+        self.deadline_s = deadline_s
+        self.started = started  # perf_counter at the call, model loading excluded
+        self.seconds = seconds
 
-    t = time.perf_counter()
-    keys = [ref.key for ref in refs]  # type: ignore[union-attr]
-    if isinstance(reader, EdgeStore):  # one document's objects live on the same edges
-        fetched = reader.fetch_many(keys, manifest.chain_hash)
-        blobs = {k: f.data for k, f in fetched.items()}
-        sources = [fetched[k].source for k in keys]
-        profile_reader: Reader = reader.placed(manifest.chain_hash)
-    else:
-        blobs = reader.get_many(keys)
-        sources = [reader.url] * len(keys)
-        profile_reader = reader
-    seconds["fetch"] = time.perf_counter() - t
+    def run(self, predictor: ThroughputPredictor, policy: Policy) -> Context:
+        import torch
 
-    t = time.perf_counter()
-    profile = None
-    if manifest.codec_profile is not None and manifest.levels[level].codec == RANS_CODEC:
-        profile = load_profile(profile_reader, manifest.codec_profile)
-        profile.check_model(loaded.fingerprint, f"the codec profile of {manifest.name}")
-    layout = manifest.kv_layout
-    shape = (layout["layers"], 2, layout["kv_heads"], manifest.token_count, layout["head_dim"])
-    # Decode every chunk straight into its slice of one cache-sized tensor.
-    dtype = torch.float32 if loaded.device == "cpu" else next(loaded.model.parameters()).dtype
-    kv = torch.empty(shape, dtype=dtype, device=loaded.device)
-    for chunk, ref in zip(manifest.chunks, refs, strict=True):
-        assert ref is not None
-        data = blobs[ref.key]
-        if len(data) != ref.bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
-            raise IntegrityError(
-                f"object {ref.key} does not match its manifest checksum (corrupted in the store "
-                "or in transit)"
+        manifest, loaded = self.manifest, self.loaded
+        # The chain hashes must follow from the manifest's own tokens: this ties
+        # every object key back to the text the manifest claims it holds.
+        expected = split_chunks(loaded.fingerprint, manifest.token_ids, manifest.chunk_tokens)
+        if [c.hash for c in expected] != [c.hash for c in manifest.chunks]:
+            raise FormatError(
+                f"manifest of {manifest.name}@{manifest.version}: chunk hashes do not match "
+                "its tokens"
             )
-        header, _ = decode_chunk(
-            data,
-            name=f"object {ref.key}",
-            device=loaded.device,
+        if self.quality == TEXT_LEVEL:
+            return self._recompute()
+        stored = [lv for lv in manifest.levels if lv != TEXT_LEVEL]
+        levels = stored if self.quality == AUTO else [self.quality]
+        for chunk in manifest.chunks:
+            if not any(lv in chunk.objects for lv in levels):
+                raise FormatError(
+                    f"{manifest.name}@{manifest.version} lacks level {levels[0]} for chunk "
+                    f"{chunk.index}"
+                )
+        placement = manifest.chain_hash
+        t = time.perf_counter()
+        profile = None
+        if manifest.codec_profile is not None and any(
+            manifest.levels[lv].codec == RANS_CODEC for lv in levels
+        ):
+            profile_reader = (
+                self.reader.placed(placement) if isinstance(self.reader, EdgeStore) else self.reader
+            )
+            profile = load_profile(profile_reader, manifest.codec_profile)
+            profile.check_model(loaded.fingerprint, f"the codec profile of {manifest.name}")
+        speed, measured_s = device_speed(loaded, manifest, profile)
+        if measured_s:  # once per device and model, like loading the model: not on the clock
+            self.started += measured_s
+            self.seconds["measure_device"] = measured_s
+        self.seconds["prepare"] = time.perf_counter() - t - measured_s
+
+        layout = manifest.kv_layout
+        shape = (layout["layers"], 2, layout["kv_heads"], manifest.token_count, layout["head_dim"])
+        # Every chunk is decoded (or recomputed) straight into its slice of one tensor.
+        dtype = torch.float32 if loaded.device == "cpu" else next(loaded.model.parameters()).dtype
+        kv = torch.empty(shape, dtype=dtype, device=loaded.device)
+        reserve_s = speed.recompute_seconds(ANSWER_RESERVE_TOKENS, manifest.token_count)
+        deadline_at = None
+        if self.deadline_s is not None and self.quality == AUTO:
+            deadline_at = self.started + self.deadline_s - reserve_s
+        pipeline = Pipeline(
+            manifest,
+            loaded,
+            kv,
+            fetch=self._fetcher(placement),
             profile=profile,
-            out=kv[:, :, :, chunk.start : chunk.end],
-            verified=True,  # just checked against the manifest's sha256
+            speed=speed,
+            predictor=predictor,
+            policy=policy,
+            levels=levels,
+            allow_text=self.quality == AUTO,
+            quality_of=quality_scores(manifest),
+            deadline_at=deadline_at,
+            concurrency=2 if deadline_at is not None else 4,
+            cancel_late_fetches=getattr(policy, "cancels_late_fetches", True),
         )
-        if header.chunk_hash != chunk.hash:
-            raise FormatError(f"object {ref.key} holds another chunk than its manifest says")
-    seconds["decode"] = time.perf_counter() - t
+        t = time.perf_counter()
+        result = pipeline.run()
+        self.seconds["load"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    cache = loaded.cache_from_kv(kv)
-    seconds["assemble"] = time.perf_counter() - t
-    plan = LoadPlan(
-        store=reader.url,
-        level=level,
-        chunk_levels=[level] * len(refs),
-        bytes=sum(ref.bytes for ref in refs if ref is not None),
-        seconds=seconds,
-        chunk_sources=sources,
-    )
-    log.info(
-        "loaded %s@%d at %s: %d bytes in %.2f s",
-        manifest.name,
-        manifest.version,
-        level,
-        plan.bytes,
-        plan.total_seconds,
-    )
-    return Context(manifest, loaded, cache, plan)
+        t = time.perf_counter()
+        cache = loaded.cache_from_kv(kv)
+        self.seconds["assemble"] = time.perf_counter() - t
+        ready_s = time.perf_counter() - self.started
+        head_s = t - self.started - self.seconds["load"]  # before the pipeline started
+        plan = LoadPlan(
+            store=self.reader.url,
+            level=self.quality,
+            chunk_levels=[c.level for c in result.chunks],
+            bytes=sum(c.bytes for c in result.chunks),
+            seconds=self.seconds,
+            chunk_sources=[c.source for c in result.chunks],
+            chunks=result.chunks,
+            deadline_s=self.deadline_s,
+            predicted_ttft_s=head_s + result.predicted_s + reserve_s,
+            ready_s=ready_s,
+            feasible=result.feasible,
+            replans=result.replans,
+            cancelled=result.cancelled,
+        )
+        log.info(
+            "loaded %s@%d (%s): %s; %d bytes; ready in %.2f s (predicted %.2f s with the answer)",
+            manifest.name,
+            manifest.version,
+            self.quality,
+            ", ".join(f"{n}×{lv}" for lv, n in Counter(plan.chunk_levels).items()),
+            plan.bytes,
+            ready_s,
+            plan.predicted_ttft_s,
+        )
+        return Context(manifest, loaded, cache, plan)
+
+    def _fetcher(self, placement: str) -> FetchFn:
+        reader = self.reader
+        if isinstance(reader, EdgeStore):
+            edges = reader
+
+            def fetch_edge(key: str, on_bytes: Any, cancel: Cancel) -> tuple[bytes, str]:
+                got = edges.fetch(key, placement, on_bytes=on_bytes, cancel=cancel)
+                return got.data, got.source
+
+            return fetch_edge
+
+        def fetch_store(key: str, on_bytes: Any, cancel: Cancel) -> tuple[bytes, str]:
+            data = reader.get(key)  # a store read cannot be interrupted; it is short
+            on_bytes(len(data))
+            return data, reader.url
+
+        return fetch_store
+
+    def _recompute(self) -> Context:
+        """The ``text`` level: prefill the manifest's tokens on the device."""
+        manifest, loaded = self.manifest, self.loaded
+        t = time.perf_counter()
+        cache = loaded.cache_from_kv(loaded.prefill(manifest.token_ids))
+        self.seconds["recompute"] = time.perf_counter() - t
+        ready_s = time.perf_counter() - self.started
+        n = len(manifest.chunks)
+        plan = LoadPlan(
+            store=self.reader.url,
+            level=TEXT_LEVEL,
+            chunk_levels=[TEXT_LEVEL] * n,
+            bytes=0,
+            seconds=self.seconds,
+            chunk_sources=[TEXT_LEVEL] * n,
+            chunks=[
+                ChunkReport(c.index, c.end - c.start, TEXT_LEVEL, TEXT_LEVEL, 0, 0.0, ready_s, 1.0)
+                for c in manifest.chunks
+            ],
+            deadline_s=self.deadline_s,
+            ready_s=ready_s,
+        )
+        return Context(manifest, loaded, cache, plan)

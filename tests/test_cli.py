@@ -76,12 +76,24 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
     )
     assert asked.exit_code == 0, asked.output
     result = json.loads(asked.stdout)
-    assert result["kvcdn"]["level"] == "fp16"
+    assert result["kvcdn"]["quality"] == "fp16"
+    assert set(result["kvcdn"]["levels"]) == {"fp16"}
     assert result["same_answer"] is True
     assert result["kvcdn"]["answer"] == result["prefill"]["answer"] != ""
     assert result["speedup"] == pytest.approx(
         result["prefill"]["ttft_s"] / result["kvcdn"]["ttft_s"]
     )
+
+    # the adaptive default, with a deadline: the plan is in the JSON and on the screen
+    args = ["ask", "sed-intro", "What is sed?", "--store", store, "--deadline", "30"]
+    adaptive = json.loads(runner.invoke(cli, [*args, "--json"]).stdout)["kvcdn"]
+    assert adaptive["quality"] == "auto" and adaptive["deadline_s"] == 30
+    assert adaptive["levels"] == {"fp16": len(adaptive["chunks"])}  # the best, with slack
+    assert adaptive["predicted_ttft_s"] > 0 and adaptive["ttft_s"] < 30
+    shown = runner.invoke(cli, args)
+    assert shown.exit_code == 0 and "deadline 30 s met" in shown.output
+    bad = runner.invoke(cli, [*args[:-1], "0"])
+    assert bad.exit_code == 2 and "--deadline" in bad.output
 
 
 def test_demo_runs_on_embedded_defaults(model, tmp_path):
@@ -135,7 +147,7 @@ def test_cli_refuses_kv_of_a_corrupted_object(model, short_text, tmp_path):
     doc = tmp_path / "d.md"
     doc.write_text(short_text)
     assert runner.invoke(cli, ["publish", str(doc), "--store", str(store)]).exit_code == 0
-    victim = sorted(store.glob("objects/**/default-*.kvc"))[0]
+    victim = sorted(store.glob("objects/**/nearlossless-*.kvc"))[0]  # what auto loads
     victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
     result = runner.invoke(cli, ["ask", "d", "What is sed?", "--store", str(store)])
     assert result.exit_code == 5

@@ -172,7 +172,7 @@ def test_kvcdn_warm_places_documents_where_the_sdk_reads_them(published, model, 
 
         before = {n.url: n.metrics() for n in nodes}
         ref = f"sed-intro@{published.manifest.version}"  # no pointer read: all warmed
-        ctx = load_context(ref, model=model, edges=urls, level="int8")
+        ctx = load_context(ref, model=model, edges=urls, quality="int8")
         assert ctx.plan.chunk_sources == [home] * len(published.manifest.chunks)
         after = {n.url: n.metrics() for n in nodes}
         # every chunk object was a hit on its edge: warming put it where the SDK looked
@@ -230,9 +230,9 @@ def test_sdk_fails_over_to_the_next_edge_then_to_the_origin(published, model, tm
         edges = [a.url, b.url]
         first, second = rendezvous(edges, published.manifest.chain_hash)
         chunks = len(published.manifest.chunks)
-        reference = load_context("sed-intro", model=model, store=published.store, level="int8")
+        reference = load_context("sed-intro", model=model, store=published.store, quality="int8")
 
-        ctx = load_context("sed-intro", model=model, edges=edges, level="int8")
+        ctx = load_context("sed-intro", model=model, edges=edges, quality="int8")
         assert ctx.plan.chunk_sources == [first] * chunks
 
         # The preferred edge answers 502 (its origin is gone): the next edge serves.
@@ -242,25 +242,25 @@ def test_sdk_fails_over_to_the_next_edge_then_to_the_origin(published, model, tm
             "http://127.0.0.1:9", tmp_path / "broken", None, port=home.port
         ).start()
         try:
-            ctx = load_context("sed-intro", model=model, edges=edges, level="int8")
+            ctx = load_context("sed-intro", model=model, edges=edges, quality="int8")
             assert ctx.plan.chunk_sources == [second] * chunks
         finally:
             broken.kill()
 
         # The preferred edge is gone altogether: the next edge serves.
-        ctx = load_context("sed-intro", model=model, edges=edges, level="int8")
+        ctx = load_context("sed-intro", model=model, edges=edges, quality="int8")
         assert ctx.plan.chunk_sources == [second] * chunks
         assert _same_cache(ctx, reference)
 
         # No edge answers: the origin serves, when the SDK has one.
         (b if home is a else a).kill()
         ctx = load_context(
-            "sed-intro", model=model, edges=edges, store=published.store, level="int8"
+            "sed-intro", model=model, edges=edges, store=published.store, quality="int8"
         )
         assert ctx.plan.chunk_sources == ["origin"] * chunks
         assert _same_cache(ctx, reference)
         with pytest.raises(StoreError, match="no edge could serve"):
-            load_context("sed-intro", model=model, edges=edges, level="int8")
+            load_context("sed-intro", model=model, edges=edges, quality="int8")
     finally:
         a.kill()
         b.kill()
@@ -276,7 +276,7 @@ def test_sdk_fails_over_when_an_edge_hangs(published, model, tmp_path):
     try:
         reader = EdgeStore([hung, node.url], read_timeout_s=0.5)
         started = time.monotonic()
-        ctx = load_context("sed-intro", model=model, store=reader, level="int8")
+        ctx = load_context("sed-intro", model=model, store=reader, quality="int8")
         assert set(ctx.plan.chunk_sources) == {node.url}
         assert time.monotonic() - started < 10
     finally:

@@ -59,7 +59,7 @@ def test_fp16_cache_generates_exactly_what_full_prefill_does(model, published, b
         and result.chunks == 12
         and result.uploaded_objects == 12 * (2 + len(LADDER))
     )
-    ctx = sdk.load_context("sed-manual", store=str(root), model=model, level="fp16")
+    ctx = sdk.load_context("sed-manual", store=str(root), model=model, quality="fp16")
     assert ctx.plan.level == "fp16" and ctx.plan.bytes == result.level_bytes["fp16"]
     answer = ctx.generate(QUESTION, max_new_tokens=32)
     assert len(baseline.token_ids) == 32
@@ -71,7 +71,7 @@ def test_fp16_cache_generates_exactly_what_full_prefill_does(model, published, b
 
 def test_int8_stays_within_documented_tolerance(model, published, baseline):
     root, _, result = published
-    ctx = sdk.load_context("sed-manual", store=str(root), model=model, level="int8")
+    ctx = sdk.load_context("sed-manual", store=str(root), model=model, quality="int8")
     answer = ctx.generate(QUESTION, max_new_tokens=8)
     assert kl(baseline.first_token_logits, answer.first_token_logits) <= INT8_MAX_KL
     assert answer.token_ids[0] == baseline.token_ids[0]
@@ -82,7 +82,7 @@ def test_int8_stays_within_documented_tolerance(model, published, baseline):
 def test_ladder_levels_load_and_answer_like_full_prefill(model, published, baseline, level):
     """Every ladder level loads through the SDK; its first answer token is close to prefill."""
     root, _, result = published
-    ctx = sdk.load_context("sed-manual", store=str(root), model=model, level=level)
+    ctx = sdk.load_context("sed-manual", store=str(root), model=model, quality=level)
     assert ctx.plan.level == level and ctx.plan.bytes == result.level_bytes[level]
     answer = ctx.generate(QUESTION, max_new_tokens=4)
     # The profile's calibrated KL targets are means over 256 next tokens; one
@@ -94,7 +94,7 @@ def test_ladder_levels_load_and_answer_like_full_prefill(model, published, basel
 
 def test_text_level_recomputes_exactly(model, published, baseline):
     root, _, _ = published
-    ctx = sdk.load_context("sed-manual", store=str(root), model=model, level="text")
+    ctx = sdk.load_context("sed-manual", store=str(root), model=model, quality="text")
     assert ctx.plan.bytes == 0 and ctx.plan.chunk_levels[0] == "text"
     assert ctx.generate(QUESTION, max_new_tokens=32).token_ids == baseline.token_ids
 
@@ -111,7 +111,7 @@ def test_load_by_path_text_and_version(model, published, sed_text):
     with pytest.raises(NotFound, match="not been published"):
         sdk.load_context("A text nobody published.\n", store=str(root), model=model)
     with pytest.raises(InputError, match="no level 'int4'"):
-        sdk.load_context("sed-manual", store=str(root), model=model, level="int4")
+        sdk.load_context("sed-manual", store=str(root), model=model, quality="int4")
 
 
 def test_republish_unchanged_is_a_no_op_and_a_change_uploads_only_new_chunks(

@@ -32,8 +32,8 @@ def test_publish_and_load_over_s3(s3, model, short_text, monkeypatch):
     assert f"kv/{manifest_key('sed-intro', 1)}" in keys
     assert f"kv/{latest_key('sed-intro')}" in keys
     assert sum(k.endswith(".kvc") for k in keys) == first.chunks * 2
-    ctx = sdk.load_context("sed-intro", store=url, model=model, level="fp16")
-    local = sdk.load_context(short_text, store=url, model=model, level="fp16")
+    ctx = sdk.load_context("sed-intro", store=url, model=model, quality="fp16")
+    local = sdk.load_context(short_text, store=url, model=model, quality="fp16")
     assert ctx.token_ids == local.token_ids
     assert ctx.plan.bytes == first.level_bytes["fp16"]
     again = publish(text=short_text, name="sed-intro", model=model, store=url, levels="fp16,int8")

@@ -1,0 +1,243 @@
+"""How fast this device decodes each level and recomputes text, measured once and cached.
+
+The planner weighs fetching a chunk (link time, then decoding) against
+recomputing it from its tokens (device time). Both device costs are measured
+here on the real model and codec: recomputing 256 tokens after a 256-token
+and after a 1,024-token context (recompute time grows with the context a
+chunk attends to, linearly in the attention), and each level's
+encode-then-decode of one 256-token chunk. Results are cached per model
+fingerprint, device, level id and software versions in
+``~/.cache/kvcdn/device-speed.json`` (``KVCDN_SPEED_CACHE`` overrides), so a
+device pays the measurement (a few seconds) on its first adaptive load only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcdn import __version__
+from kvcdn.codec import RANS_CODEC, TEXT_LEVEL, Level, decode_chunk, encode_chunk
+from kvcdn.manifest import Manifest
+from kvcdn.models import LoadedModel
+
+if TYPE_CHECKING:
+    from kvcdn.profile import CodecProfile
+
+log = logging.getLogger(__name__)
+
+#: Recompute speed is measured for this many tokens after each of these contexts.
+MEASURE_TOKENS = 256
+MEASURE_CONTEXTS = (256, 1024)
+CACHE_FORMAT = "2"
+_lock = threading.Lock()
+_memo: dict[str, DeviceSpeed] = {}
+
+
+@dataclass
+class DeviceSpeed:
+    """Measured device costs: decode seconds per token by level id, and recompute cost.
+
+    Recomputing costs ``s_per_token + s_per_token_context * context`` seconds
+    per token, ``context`` being the tokens it attends to.
+    """
+
+    s_per_token: float
+    s_per_token_context: float
+    decode_s_per_token: dict[str, float] = field(default_factory=dict)
+
+    def decode_seconds(self, level_id: str, tokens: int) -> float:
+        return self.decode_s_per_token[level_id] * tokens
+
+    def recompute_seconds(self, tokens: int, context: int = 0) -> float:
+        """Seconds to recompute ``tokens`` tokens that follow ``context`` cached tokens."""
+        return tokens * (self.s_per_token + self.s_per_token_context * (context + tokens / 2))
+
+
+def cache_path() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return Path(os.environ.get("KVCDN_SPEED_CACHE", root / "kvcdn" / "device-speed.json"))
+
+
+def device_speed(
+    loaded: LoadedModel, manifest: Manifest, profile: CodecProfile | None
+) -> tuple[DeviceSpeed, float]:
+    """This device's speed for ``loaded`` and every level of ``manifest``, and the
+    seconds spent measuring it now (0.0 when it was known).
+
+    Read from the cache; what is missing is measured now and cached.
+    """
+    import torch
+
+    key = "|".join(
+        (
+            CACHE_FORMAT,
+            loaded.fingerprint[:16],
+            _device_name(loaded.device),
+            torch.__version__,
+            __version__,
+        )
+    )
+    levels = {
+        lv.id: Level(name, lv.codec, lv.params)
+        for name, lv in manifest.levels.items()
+        if name != TEXT_LEVEL and (lv.codec != RANS_CODEC or profile is not None)
+    }
+    measured_s = 0.0
+    with _lock:
+        speed = _memo.get(key) or _read_cache(key)
+        if speed is None or set(levels) - set(speed.decode_s_per_token):
+            t = time.perf_counter()
+            speed = _measure(loaded, levels, profile, speed)  # this also warms the kernels
+            _write_cache(key, speed)
+            _warmed.add(loaded.device)
+            measured_s = time.perf_counter() - t
+        _memo[key] = speed
+    if profile is not None and loaded.device not in _warmed:
+        _warmed.add(loaded.device)
+        warm = threading.Thread(target=_warm_kernels, args=(profile, loaded.device), daemon=True)
+        warm.start()
+    return speed, measured_s
+
+
+_warmed: set[str] = set()
+
+
+def _warm_kernels(profile: CodecProfile, device: str) -> None:
+    """Decode a tiny chunk, so the first real decode does not pay for loading the
+    compiled kernels (about 0.4 s on a CPU), while the first fetches are on the wire."""
+    import torch
+
+    from kvcdn.codec import ladder_level
+
+    try:
+        lay = profile.layout
+        kv = torch.zeros(lay.layers, 2, lay.kv_heads, 8, lay.head_dim)
+        level = ladder_level(next(iter(profile.levels)), profile)
+        blob = encode_chunk(level, kv, "0" * 64, profile=profile, start=64)
+        decode_chunk(blob, device=device, profile=profile, verified=True)
+    except Exception as exc:  # only a warm-up: the real decode reports real errors
+        log.debug("kernel warm-up failed: %s", exc)
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.machine()}-{platform.processor() or 'cpu'}-{os.cpu_count()}cpu"
+
+
+def _measure(
+    loaded: LoadedModel,
+    levels: dict[str, Level],
+    profile: CodecProfile | None,
+    known: DeviceSpeed | None,
+) -> DeviceSpeed:
+    import torch
+
+    started = time.perf_counter()
+    ids = _measure_ids(loaded, max(MEASURE_CONTEXTS) + MEASURE_TOKENS)
+    per_token = []  # (mean context, seconds per token)
+    kv = None
+    for context in MEASURE_CONTEXTS:
+        prefix = loaded.prefill(ids[:context])
+        timings = []
+        for _ in range(2):  # the first run also warms up
+            t = time.perf_counter()
+            kv = loaded.extend(prefix, ids[context : context + MEASURE_TOKENS])
+            _sync(loaded.device)
+            timings.append(time.perf_counter() - t)
+        per_token.append((context + MEASURE_TOKENS / 2, min(timings) / MEASURE_TOKENS))
+    assert kv is not None
+    (c1, s1), (c2, s2) = per_token
+    slope = max(0.0, (s2 - s1) / (c2 - c1))
+    speed = DeviceSpeed(
+        s_per_token=max(s1 - slope * c1, 1e-9),
+        s_per_token_context=slope,
+        decode_s_per_token=dict(known.decode_s_per_token) if known else {},
+    )
+    dtype = torch.float32 if loaded.device == "cpu" else next(loaded.model.parameters()).dtype
+    out = torch.empty(kv.shape, dtype=dtype, device=loaded.device)
+    for level_id, level in levels.items():
+        if level_id in speed.decode_s_per_token:
+            continue
+        blob = encode_chunk(level, kv, "0" * 64, profile=profile, start=max(MEASURE_CONTEXTS))
+        runs = []
+        for _ in range(4):  # the first run loads the decode kernels
+            t = time.perf_counter()
+            decode_chunk(blob, device=loaded.device, profile=profile, out=out, verified=True)
+            _sync(loaded.device)
+            runs.append(time.perf_counter() - t)
+        speed.decode_s_per_token[level_id] = statistics.median(runs[1:]) / MEASURE_TOKENS
+    log.info(
+        "measured this device in %.1f s: recompute %.0f tokens/s (after 1,024 tokens); decode %s",
+        time.perf_counter() - started,
+        MEASURE_TOKENS / speed.recompute_seconds(MEASURE_TOKENS, 1024),
+        {k: f"{1 / v:.0f} tokens/s" for k, v in speed.decode_s_per_token.items()},
+    )
+    return speed
+
+
+def _measure_ids(loaded: LoadedModel, n: int) -> list[int]:
+    """``n`` tokens of ordinary prose (the cost of a forward pass hardly depends on them)."""
+    text = (
+        "A content delivery network keeps copies of what people ask for close to them, so "
+        "that the second reader waits less than the first. Caches near the readers serve "
+        "the bytes; the origin keeps the one true copy, and every copy can be checked. "
+    )
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += loaded.document_ids(text)
+    return ids[:n]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(torch.device(device))
+
+
+def _read_cache(key: str) -> DeviceSpeed | None:
+    try:
+        raw = json.loads(cache_path().read_text()).get(key)
+        if not isinstance(raw, dict):
+            return None
+        decode = {str(k): float(v) for k, v in raw["decode_s_per_token"].items() if v > 0}
+        speed = DeviceSpeed(float(raw["s_per_token"]), float(raw["s_per_token_context"]), decode)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no cache, or a damaged one: measure again
+    if not speed.s_per_token > 0 or not speed.s_per_token_context >= 0:
+        return None
+    return speed
+
+
+def _write_cache(key: str, speed: DeviceSpeed) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            everything: dict[str, Any] = json.loads(path.read_text())
+            if not isinstance(everything, dict):
+                everything = {}
+        except (OSError, ValueError):
+            everything = {}
+        everything[key] = {
+            "s_per_token": speed.s_per_token,
+            "s_per_token_context": speed.s_per_token_context,
+            "decode_s_per_token": speed.decode_s_per_token,
+        }
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(everything, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: measure again next time
+        log.warning("cannot cache the device speed in %s: %s", path, exc)

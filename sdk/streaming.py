@@ -1,0 +1,501 @@
+"""The loading pipeline: fetch, decode and recompute a document's chunks, re-planning as it goes.
+
+Three kinds of work overlap:
+- fetches, a few at a time (``concurrency``), in document order, each read
+  in pieces so the link's throughput is measured while it runs and a fetch
+  can be cancelled;
+- decoding, on the device, straight into the chunk's slice of the cache tensor;
+- recomputing ``text`` chunks, on the device, with the chunks before them
+  (already in the cache) as context.
+
+One device thread runs the decodes and recomputes, one at a time, as a GPU
+stream would. The calling thread is the controller: it plans, launches work,
+feeds the throughput predictor, and re-plans after every chunk completes.
+When a fetch in flight can no longer make the deadline and dropping it gives
+a faster plan, it is cancelled and its chunk planned again (a lower level or
+``text``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from kvcdn.codec import decode_chunk
+from kvcdn.errors import FormatError, IntegrityError
+from kvcdn.manifest import ChunkEntry, Manifest
+from kvcdn.models import LoadedModel
+
+from .devspeed import DeviceSpeed
+from .edges import Cancel, FetchCancelled
+from .planner import TEXT, Busy, ChunkChoice, Option, Plan, Policy, ThroughputPredictor
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcdn.profile import CodecProfile
+
+log = logging.getLogger(__name__)
+
+#: ``fetch(key, on_bytes, cancel) -> (data, source)``: a source of chunk objects.
+FetchFn = Callable[[str, Callable[[int], None], Cancel], tuple[bytes, str]]
+
+TICK_S = 0.02  # how often the controller looks at the link when nothing else happens
+SAMPLE_BYTES = 256 << 10  # a throughput sample spans at least this many bytes ...
+SAMPLE_MAX_S = 0.5  # ... or this long (nothing arriving for this long is a stall)
+CANCEL_GAIN = 0.9  # cancel a fetch only when dropping it is predicted 10% faster
+
+
+@dataclass
+class ChunkReport:
+    """How one chunk was loaded. Times are seconds from the start of the load."""
+
+    index: int
+    tokens: int
+    level: str  # the level it was decoded from, or "text" (recomputed)
+    source: str  # an edge URL, "origin", the store's URL, or "text"
+    bytes: int
+    start_s: float  # its (last) fetch or its recompute began
+    ready_s: float  # its KV was in the cache
+    quality: float = 1.0  # the level's quality score (1.0: exact)
+    abandoned: list[str] = field(default_factory=list)  # levels whose fetch was cancelled
+
+
+@dataclass
+class PipelineResult:
+    chunks: list[ChunkReport]
+    predicted_s: float  # the first plan's estimate of the load
+    feasible: bool  # the first plan expected to meet the deadline
+    seconds: float  # what the load took
+    replans: int
+    cancelled: int
+
+
+class _State(Enum):
+    PENDING = "pending"
+    FETCHING = "fetching"
+    FETCHED = "fetched"
+    DEVICE = "device"
+    DONE = "done"
+
+
+@dataclass
+class _Chunk:
+    entry: ChunkEntry
+    state: _State = _State.PENDING
+    planned: Option | None = None
+    option: Option | None = None  # what is being (or was) fetched or recomputed
+    received: int = 0
+    attempt: int = 0  # events from an abandoned fetch carry an older attempt
+    cancel: Cancel = field(default_factory=Cancel)
+    data: bytes = b""
+    source: str = ""
+    start_s: float = 0.0
+    ready_s: float = 0.0
+    abandoned: list[str] = field(default_factory=list)
+
+
+class _LinkMeter:
+    """Turns the bytes arriving over all fetches into throughput samples.
+
+    The link is shared by the fetches in flight, so a sample is the bytes
+    that arrived while any fetch was running over that time, not one
+    fetch's own rate.
+    """
+
+    def __init__(self, predictor: ThroughputPredictor) -> None:
+        self.predictor = predictor
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._since: float | None = None  # None: no fetch running
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._bytes += n
+
+    def start(self, now: float) -> None:
+        """A fetch starts: if the link was idle, a sample window opens now."""
+        if self._since is None:
+            with self._lock:
+                self._bytes = 0
+            self._since = now
+
+    def tick(self, now: float, active: bool) -> None:
+        """Emit a sample when the window holds enough; close it when the link goes idle."""
+        if self._since is None:
+            return
+        span = now - self._since
+        with self._lock:
+            nbytes = self._bytes
+            due = (
+                (nbytes >= SAMPLE_BYTES and span >= TICK_S)
+                or span >= SAMPLE_MAX_S
+                or (not active and nbytes > 0 and span >= TICK_S)
+            )
+            if due:
+                self._bytes = 0
+        if due:
+            self.predictor.observe(nbytes, span)
+            self._since = now
+        if not active:
+            self._since = None
+
+
+class Pipeline:
+    """Loads every chunk of ``manifest`` into ``kv`` (``[L, 2, H, T, D]``) by ``policy``."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        loaded: LoadedModel,
+        kv: torch.Tensor,
+        *,
+        fetch: FetchFn,
+        profile: CodecProfile | None,
+        speed: DeviceSpeed,
+        predictor: ThroughputPredictor,
+        policy: Policy,
+        levels: list[str],
+        allow_text: bool,
+        quality_of: dict[str, float],
+        deadline_at: float | None,
+        concurrency: int = 2,
+        cancel_late_fetches: bool = True,
+    ) -> None:
+        self.manifest = manifest
+        self.loaded = loaded
+        self.kv = kv
+        self.fetch = fetch
+        self.profile = profile
+        self.speed = speed
+        self.predictor = predictor
+        self.policy = policy
+        self.levels = levels
+        self.allow_text = allow_text
+        self.quality_of = quality_of
+        self.deadline_at = deadline_at
+        self.concurrency = max(1, concurrency)
+        self.cancel_late_fetches = cancel_late_fetches and deadline_at is not None
+        self.chunks = [_Chunk(c) for c in manifest.chunks]
+        self.meter = _LinkMeter(predictor)
+        self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        # device costs as measured, corrected by what this load's device work takes
+        self.decode_factor = 1.0
+        self.recompute_factor = 1.0
+        self._device_task: tuple[float, float] | None = None  # (started, predicted seconds)
+        self.replans = 0
+        self.cancelled = 0
+        self._t0 = 0.0
+
+    # ---- the model of what is left ---------------------------------------------
+    def _choice(self, chunk: _Chunk) -> ChunkChoice:
+        entry = chunk.entry
+        tokens = entry.end - entry.start
+        options = []
+        for name in self.levels:
+            ref = entry.objects.get(name)
+            if ref is None:
+                continue
+            decode_s = self.speed.decode_seconds(self.manifest.levels[name].id, tokens)
+            options.append(
+                Option(name, ref.bytes, self.quality_of[name], decode_s * self.decode_factor)
+            )
+        if self.allow_text or not options:
+            recompute_s = self.speed.recompute_seconds(tokens, entry.start)
+            options.append(Option(TEXT, 0, 1.0, recompute_s * self.recompute_factor))
+        return ChunkChoice(entry.index, tokens, tuple(options))
+
+    def _busy(self, now: float, without: _Chunk | None = None) -> Busy:
+        link_bytes = 0
+        device_s = 0.0
+        if self._device_task is not None:
+            started, predicted = self._device_task
+            device_s += max(0.0, predicted - (now - started))
+        first_pending = next(
+            (c.entry.index for c in self.chunks if c.state is _State.PENDING or c is without),
+            len(self.chunks),
+        )
+        fetching_before = False
+        waiting_before = False
+        for c in self.chunks:
+            if c is without:
+                continue
+            if c.state is _State.FETCHING:
+                assert c.option is not None
+                link_bytes += max(0, c.option.bytes - c.received)
+                device_s += c.option.device_s
+                fetching_before |= c.entry.index < first_pending
+            elif c.state is _State.FETCHED:
+                assert c.option is not None
+                device_s += c.option.device_s
+                waiting_before |= c.entry.index < first_pending
+            elif c.state is _State.DEVICE:
+                waiting_before |= c.entry.index < first_pending
+        text_ready = 0.0
+        if fetching_before:
+            text_ready = self.predictor.predict_seconds(link_bytes)
+        elif waiting_before:
+            text_ready = device_s
+        return Busy(link_bytes, device_s, text_ready)
+
+    def _remaining_s(self, now: float) -> float | None:
+        return None if self.deadline_at is None else self.deadline_at - now
+
+    def _plan(self, now: float) -> Plan:
+        pending = [c for c in self.chunks if c.state is _State.PENDING]
+        choices = [self._choice(c) for c in pending]
+        result = self.policy(choices, self.predictor, self._remaining_s(now), self._busy(now))
+        for c in pending:
+            c.planned = result.choices[c.entry.index]
+        self.replans += 1
+        return result
+
+    # ---- running ---------------------------------------------------------------
+    def run(self) -> PipelineResult:
+        self._t0 = time.perf_counter()
+        first = self._plan(self._t0)
+        # Room for abandoned fetches still blocked on a stalled link beside the live ones.
+        fetchers = ThreadPoolExecutor(self.concurrency + 8, thread_name_prefix="kvcdn-fetch")
+        device = ThreadPoolExecutor(1, thread_name_prefix="kvcdn-device")
+        try:
+            self._loop(fetchers, device)
+        except BaseException:
+            for c in self.chunks:
+                c.cancel.set()
+            raise
+        finally:
+            # a failed load does not wait for reads it no longer needs
+            fetchers.shutdown(wait=False, cancel_futures=True)
+            device.shutdown(wait=True, cancel_futures=True)
+        seconds = time.perf_counter() - self._t0
+        reports = []
+        for c in self.chunks:
+            assert c.option is not None
+            reports.append(
+                ChunkReport(
+                    index=c.entry.index,
+                    tokens=c.entry.end - c.entry.start,
+                    level=c.option.level,
+                    source=c.source,
+                    bytes=c.option.bytes,
+                    start_s=c.start_s,
+                    ready_s=c.ready_s,
+                    quality=c.option.quality,
+                    abandoned=c.abandoned,
+                )
+            )
+        return PipelineResult(
+            reports, first.predicted_s, first.feasible, seconds, self.replans, self.cancelled
+        )
+
+    def _loop(self, fetchers: ThreadPoolExecutor, device: ThreadPoolExecutor) -> None:
+        device_busy = False
+        last_cancel = 0.0
+        while any(c.state is not _State.DONE for c in self.chunks):
+            now = time.perf_counter()
+            # launch fetches, in document order
+            fetching = sum(1 for c in self.chunks if c.state is _State.FETCHING)
+            for c in self.chunks:
+                if fetching >= self.concurrency:
+                    break
+                if c.state is _State.PENDING and c.planned is not None and c.planned.level != TEXT:
+                    self._start_fetch(c, fetchers, now)
+                    fetching += 1
+            # give the device work: decode what has arrived, else the next text chunk
+            if not device_busy:
+                device_busy = self._start_device(device, now)
+            try:
+                event = self.events.get(timeout=TICK_S)
+            except queue.Empty:
+                event = None
+            now = time.perf_counter()
+            if event is None:
+                self.meter.tick(now, any(c.state is _State.FETCHING for c in self.chunks))
+                if self.cancel_late_fetches and now - last_cancel > 2 * TICK_S:
+                    if self._cancel_late_fetch(now):
+                        last_cancel = now
+                        self._plan(now)
+                continue
+            kind, chunk = event[0], event[1]
+            if kind in ("fetched", "fetch_cancelled") and event[2] != chunk.attempt:
+                continue  # from a fetch abandoned earlier
+            if kind == "fetched":
+                chunk.state = _State.FETCHED
+                self.meter.tick(now, any(c.state is _State.FETCHING for c in self.chunks))
+                self._plan(now)
+            elif kind == "fetch_cancelled":  # it stopped by itself when cancelled
+                self._abandon(chunk)
+                self._plan(now)
+            elif kind == "device_done":
+                device_busy = False
+                self._learn_device(chunk, event[2])
+                chunk.state = _State.DONE
+                chunk.data = b""
+                chunk.ready_s = now - self._t0
+                self._device_task = None
+                self._plan(now)
+            elif kind == "error":
+                raise event[2]
+
+    def _start_fetch(self, c: _Chunk, pool: ThreadPoolExecutor, now: float) -> None:
+        assert c.planned is not None
+        c.option = c.planned
+        c.state = _State.FETCHING
+        c.received = 0
+        c.attempt += 1
+        c.start_s = now - self._t0
+        ref = c.entry.objects[c.option.level]
+        cancel, attempt = c.cancel, c.attempt
+
+        def on_bytes(n: int) -> None:
+            if not cancel.is_set():
+                c.received += n
+            self.meter.add(n)
+
+        def work() -> None:
+            try:
+                data, source = self.fetch(ref.key, on_bytes, cancel)
+                if len(data) != ref.bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
+                    raise IntegrityError(
+                        f"object {ref.key} does not match its manifest checksum (corrupted in "
+                        "the store or in transit)"
+                    )
+                if not cancel.is_set():
+                    c.data, c.source = data, source
+                self.events.put(("fetched", c, attempt))
+            except FetchCancelled:
+                self.events.put(("fetch_cancelled", c, attempt))
+            except BaseException as exc:
+                if not cancel.is_set():  # handed to the controller, which raises it
+                    self.events.put(("error", c, exc))
+
+        self.meter.start(now)
+        pool.submit(work)
+
+    def _abandon(self, c: _Chunk) -> None:
+        """Put a cancelled fetch's chunk back to be planned, without waiting for its
+        thread: a fetch still waiting for a stalled edge's headers cannot be interrupted
+        and ends at its read timeout, its result ignored."""
+        if c.state is _State.FETCHING:
+            c.state = _State.PENDING
+            c.received = 0
+            c.attempt += 1
+            c.cancel = Cancel()
+
+    def _start_device(self, pool: ThreadPoolExecutor, now: float) -> bool:
+        ready = next((c for c in self.chunks if c.state is _State.FETCHED), None)
+        if ready is not None:
+            assert ready.option is not None
+            ready.state = _State.DEVICE
+            self._device_task = (now, ready.option.device_s)
+            pool.submit(self._device_work, ready, self._decode)
+            return True
+        first = next((c for c in self.chunks if c.state is not _State.DONE), None)
+        if (
+            first is not None
+            and first.state is _State.PENDING
+            and first.planned is not None
+            and first.planned.level == TEXT
+        ):
+            first.option = first.planned
+            first.state = _State.DEVICE
+            first.source = TEXT
+            first.start_s = now - self._t0
+            self._device_task = (now, first.option.device_s)
+            pool.submit(self._device_work, first, self._recompute)
+            return True
+        return False
+
+    def _device_work(self, c: _Chunk, work: Callable[[_Chunk], None]) -> None:
+        started = time.perf_counter()
+        try:
+            work(c)
+            if self.loaded.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.synchronize(torch.device(self.loaded.device))
+        except BaseException as exc:
+            self.events.put(("error", c, exc))
+            return
+        self.events.put(("device_done", c, time.perf_counter() - started))
+
+    def _decode(self, c: _Chunk) -> None:
+        assert c.option is not None
+        ref = c.entry.objects[c.option.level]
+        header, _ = decode_chunk(
+            c.data,
+            name=f"object {ref.key}",
+            device=self.loaded.device,
+            profile=self.profile,
+            out=self.kv[:, :, :, c.entry.start : c.entry.end],
+            verified=True,  # checked against the manifest's sha256 when it arrived
+        )
+        if header.chunk_hash != c.entry.hash:
+            raise FormatError(f"object {ref.key} holds another chunk than its manifest says")
+
+    def _recompute(self, c: _Chunk) -> None:
+        start, end = c.entry.start, c.entry.end
+        self.kv[:, :, :, start:end] = self.loaded.extend(
+            self.kv[:, :, :, :start], c.entry.tokens
+        ).to(self.kv.dtype)
+
+    def _learn_device(self, c: _Chunk, seconds: float) -> None:
+        """Correct the measured device speed by what this load sees (contention, clocks)."""
+        assert c.option is not None
+        predicted = c.option.device_s
+        if predicted <= 0:
+            return
+        ratio = min(4.0, max(0.25, seconds / predicted))
+        if c.option.level == TEXT:
+            self.recompute_factor = min(4.0, max(0.25, self.recompute_factor * ratio**0.5))
+        else:
+            self.decode_factor = min(4.0, max(0.25, self.decode_factor * ratio**0.5))
+
+    def _cancel_late_fetch(self, now: float) -> bool:
+        """If keeping the fetches in flight misses the deadline, cancel the one whose
+        dropping helps most."""
+        remaining = self._remaining_s(now)
+        assert remaining is not None
+        pending = [c for c in self.chunks if c.state is _State.PENDING]
+        keep = self.policy(
+            [self._choice(c) for c in pending], self.predictor, remaining, self._busy(now)
+        )
+        if keep.feasible:
+            return False
+        in_flight = sorted(
+            (c for c in self.chunks if c.state is _State.FETCHING and not c.cancel.is_set()),
+            key=lambda c: (c.option.bytes if c.option else 0) - c.received,
+            reverse=True,
+        )
+        for c in in_flight:
+            assert c.option is not None
+            again = sorted([*pending, c], key=lambda x: x.entry.index)
+            drop = self.policy(
+                [self._choice(x) for x in again], self.predictor, remaining, self._busy(now, c)
+            )
+            if drop.predicted_s < keep.predicted_s * CANCEL_GAIN and (
+                drop.choices[c.entry.index].level != c.option.level
+            ):
+                log.info(
+                    "chunk %d: cancelling its %s fetch (%d of %d bytes in): it cannot make the "
+                    "deadline; re-planned as %s",
+                    c.entry.index,
+                    c.option.level,
+                    c.received,
+                    c.option.bytes,
+                    drop.choices[c.entry.index].level,
+                )
+                c.abandoned.append(c.option.level)
+                c.cancel.set()
+                self._abandon(c)
+                self.cancelled += 1
+                return True
+        return False

@@ -1,0 +1,169 @@
+"""Adaptive loading end to end: the real model, a real publication, a real shaped edge.
+
+The edge replays a throughput trace on its loopback link (``--throttle-trace``)
+and is restarted at trace time 0 just before each load (``POST /shaping``), so
+every load sees the bandwidth the test wrote down.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+
+from kvcdn.catalog import read_manifest
+from kvcdn.sdk import load_context
+from kvcdn.sdk.edges import warm_keys
+from kvcdn.sdk.planner import TEXT, HarmonicPredictor
+from kvcdn.store import open_store
+from tests.edge_helpers import EdgeProcess, post_json
+
+LEVELS = "nearlossless,default,lowest"
+QUESTION = "How do I edit a file in place?"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, model, sed_text):
+    """The whole sed manual (12 chunks), published at three ladder levels to a folder."""
+    from kvcdn.publish import publish
+
+    root = tmp_path_factory.mktemp("store")
+    publish(text=sed_text, name="sed-manual", model=model, store=str(root), levels=LEVELS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(store, model):
+    """The document loaded straight from the store at its best level, and full prefill."""
+    ctx = load_context("sed-manual", model=model, store=str(store), quality="nearlossless")
+    return ctx
+
+
+def shaped_edge(store, tmp_path, rows: list[tuple[float, float]]) -> EdgeProcess:
+    trace = tmp_path / "trace.log"
+    trace.write_text("".join(f"{t}\t{mbps}\n" for t, mbps in rows))
+    edge = EdgeProcess(str(store), tmp_path / "cache", None, "--throttle-trace", str(trace))
+    edge.start()
+    # fill the edge's cache first, so the loads measure the shaped link, not the origin
+    manifest = read_manifest(open_store(str(store)), "sed-manual", None)
+    keys, _ = warm_keys(manifest)
+    status, _ = post_json(f"{edge.url}/warm", {"keys": keys})
+    assert status in (200, 202)
+    edge.wait_cached(len(keys), timeout_s=60)
+    return edge
+
+
+def restart_trace(edge: EdgeProcess) -> None:
+    status, body = post_json(f"{edge.url}/shaping", {"offset_s": 0})
+    assert status == 200 and body["trace_time_s"] < 0.5
+
+
+def mbps(bytes_per_s: float) -> float:
+    return bytes_per_s * 8 / 1e6
+
+
+def test_without_a_deadline_every_chunk_comes_at_the_best_level(store, reference, model, tmp_path):
+    edge = shaped_edge(store, tmp_path, [(0, mbps(200e6)), (1000, mbps(200e6))])
+    try:
+        restart_trace(edge)
+        ctx = load_context("sed-manual", model=model, edges=[edge.url])
+    finally:
+        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
+    plan = ctx.plan
+    assert plan.chunk_levels == ["nearlossless"] * 12
+    assert set(plan.chunk_sources) == {edge.url}
+    assert plan.feasible and plan.predicted_ttft_s is not None
+    for chunk in plan.chunks:
+        assert 0 <= chunk.start_s <= chunk.ready_s <= plan.ready_s
+        assert chunk.bytes == ctx.manifest.chunks[chunk.index].objects["nearlossless"].bytes
+    for a, b in zip(ctx.cache.layers, reference.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_rate_drop_mid_load_lowers_the_level_and_the_deadline_is_met(store, model, tmp_path):
+    # 16 MB/s for 0.4 s (about 4 of 12 chunks at the best level), then 4 MB/s:
+    # the rest at the best level would take 3 s more, at the lowest 1.6 s.
+    edge = shaped_edge(store, tmp_path, [(0, 128), (0.4, 32), (1000, 32)])
+    deadline = 2.5
+    try:
+        restart_trace(edge)
+        ctx = load_context(
+            "sed-manual",
+            model=model,
+            edges=[edge.url],
+            deadline_s=deadline,
+            predictor=HarmonicPredictor(initial_bps=16e6),
+        )
+    finally:
+        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
+    plan = ctx.plan
+    quality = ctx.manifest.levels
+    assert plan.chunk_levels[0] == "nearlossless"  # planned while the link was fast
+    later = plan.chunk_levels[6:]
+    assert any(lv != "nearlossless" for lv in later), plan.chunk_levels  # it adapted
+    assert all(lv in quality or lv == TEXT for lv in plan.chunk_levels)
+    assert plan.replans > 12
+    assert plan.ready_s <= deadline, json.dumps([c.__dict__ for c in plan.chunks], indent=1)
+    answer = ctx.generate(QUESTION, max_new_tokens=4)
+    assert plan.ready_s + answer.ttft_s <= deadline * 1.1
+    assert answer.token_ids  # a real answer from a complete cache
+
+
+def test_when_the_link_stalls_fetches_are_cancelled_and_chunks_recomputed(store, model, tmp_path):
+    # 16 MB/s for 0.25 s, then nothing at all: only recomputing can finish the load
+    edge = shaped_edge(store, tmp_path, [(0, 128), (0.25, 0), (1000, 0)])
+    try:
+        restart_trace(edge)
+        ctx = load_context(
+            "sed-manual",
+            model=model,
+            edges=[edge.url],
+            deadline_s=20.0,
+            predictor=HarmonicPredictor(initial_bps=16e6),
+        )
+    finally:
+        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
+    plan = ctx.plan
+    assert plan.cancelled >= 1  # the fetches in flight when the link died were abandoned
+    assert any(c.abandoned for c in plan.chunks)
+    assert plan.chunk_levels.count(TEXT) >= 6
+    assert plan.chunk_levels[0] != TEXT  # chunk 0 came while the link was up
+    for c in plan.chunks:
+        assert c.source == (TEXT if c.level == TEXT else edge.url)
+    # recomputed chunks attend to the decoded prefix: the answer matches full prefill's
+    from kvcdn.sdk import answer_with_prefill
+
+    answer = ctx.generate(QUESTION, max_new_tokens=8)
+    full = answer_with_prefill(model, ctx.token_ids, QUESTION, max_new_tokens=8)
+    assert answer.token_ids[:4] == full.token_ids[:4]
+
+
+def test_an_impossible_deadline_gives_the_best_effort_and_says_so(store, model, tmp_path):
+    edge = shaped_edge(store, tmp_path, [(0, 16), (1000, 16)])  # 2 MB/s
+    try:
+        restart_trace(edge)
+        ctx = load_context(
+            "sed-manual",
+            model=model,
+            edges=[edge.url],
+            deadline_s=0.3,
+            predictor=HarmonicPredictor(initial_bps=2e6),
+        )
+    finally:
+        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
+    plan = ctx.plan
+    assert not plan.feasible and plan.ready_s > 0.3
+    assert len(plan.chunks) == 12 and all(c.ready_s > 0 for c in plan.chunks)
+    # the fastest plan sends little over a slow link: mostly the lowest level and text
+    assert all(lv in ("lowest", TEXT) for lv in plan.chunk_levels[1:]), plan.chunk_levels
+
+
+def test_bad_quality_and_deadline_are_clear_errors(store, model):
+    from kvcdn.errors import InputError
+
+    with pytest.raises(InputError, match="has no level 'int4'"):
+        load_context("sed-manual", model=model, store=str(store), quality="int4")
+    with pytest.raises(InputError, match="deadline_s must be a positive"):
+        load_context("sed-manual", model=model, store=str(store), deadline_s=0)
