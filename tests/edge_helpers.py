@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -97,13 +98,16 @@ class EdgeProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> EdgeProcess:
+        # stderr goes to a file: a pipe that nobody reads fills up and stalls the edge
+        self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy()
+            self.args, stdout=subprocess.DEVNULL, stderr=self.log, env=os.environ.copy()
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"edge exited: {self.proc.stderr.read().decode()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"edge exited: {self.log.read().decode()[-2000:]}")
             try:
                 urllib.request.urlopen(f"{self.url}/healthz", timeout=1).read()
                 return self
