@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 #: ``quality="auto"``: each chunk's level (or recompute) chosen by the planner.
 AUTO = "auto"
-#: The deadline keeps room for a question of this many tokens to reach its first token.
-ANSWER_RESERVE_TOKENS = 32
+#: The deadline keeps room for a question of this many tokens (chat framing included)
+#: to reach its first token.
+ANSWER_RESERVE_TOKENS = 64
 _REF = re.compile(rf"^{NAME_PATTERN}(@(\d+|latest))?$")
 
 
@@ -46,7 +47,7 @@ class LoadPlan:
     happened, both in seconds from the call (model loading excluded). The
     time to first token of a question asked at once is ``ready_s`` plus the
     answer's own ``ttft_s``; ``predicted_ttft_s`` includes an estimate of
-    that last step, a 32-token question's forward pass.
+    that last step, a 64-token question's forward pass (chat framing included).
     """
 
     store: str
