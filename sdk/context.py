@@ -268,7 +268,7 @@ def quality_scores(manifest: Manifest) -> dict[str, float]:
             below = [
                 scores[o]
                 for o, other in manifest.levels.items()
-                if o in scores and other.bits_per_element <= lv.bits_per_element
+                if o in scores and o != TEXT_LEVEL and other.bits_per_element <= lv.bits_per_element
             ]
             scores[name] = max(below, default=0.99)
     return scores

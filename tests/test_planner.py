@@ -187,3 +187,27 @@ def test_a_fetch_in_flight_on_a_dead_link_makes_the_plan_infeasible():
     p = plan(cs, link, deadline_s=5.0, busy=Busy(link_bytes=50_000))  # 50 s still to come
     assert {o.level for o in p.choices.values()} == {TEXT}
     assert not p.feasible and p.predicted_s >= 50.0
+
+
+def test_quality_scores_come_from_the_manifest(tmp_path):
+    from kvcdn.manifest import LevelInfo, Manifest
+    from kvcdn.sdk.context import quality_scores
+
+    def level(codec, bits, quality):
+        return LevelInfo("id", codec, {}, 1, bits, quality=quality)
+
+    m = Manifest(
+        "d", 1, "0" * 64, 1, "now", "m", "0" * 64, "t", 1, 256, {},
+        {
+            "fp16": level("fp16", 16.0, {}),
+            "int8": level("int8-channel-zstd", 7.7, {}),
+            "default": level("kvcdn-rans-v1", 2.98, {"top1_agree": 0.966, "kl": 0.0048}),
+            "lowest": level("kvcdn-rans-v1", 2.2, {"top1_agree": 0.896, "kl": 0.0341}),
+            TEXT: level("recompute", 0.0, {}),
+        },
+    )  # fmt: skip
+    scores = quality_scores(m)
+    assert scores["fp16"] == scores[TEXT] == 1.0
+    assert scores["default"] == pytest.approx(0.966 - 0.0048)
+    assert scores["int8"] == scores["default"]  # unmeasured: like the best with fewer bits
+    assert scores["lowest"] < scores["default"]
