@@ -55,9 +55,17 @@ def shaped_edge(store, tmp_path, rows: list[tuple[float, float]]) -> EdgeProcess
     return edge
 
 
-def restart_trace(edge: EdgeProcess) -> None:
-    status, body = post_json(f"{edge.url}/shaping", {"offset_s": 0})
-    assert status == 200 and body["trace_time_s"] < 0.5
+def load_once(edge: EdgeProcess, model, deadline_s=None, initial_bps=None):
+    """One load through ``edge`` from trace time 0; the edge is stopped after it."""
+    try:
+        status, body = post_json(f"{edge.url}/shaping", {"offset_s": 0})
+        assert status == 200 and body["trace_time_s"] < 0.5
+        predictor = None if initial_bps is None else HarmonicPredictor(initial_bps=initial_bps)
+        return load_context(
+            "sed-manual", model=model, edges=[edge.url], deadline_s=deadline_s, predictor=predictor
+        )
+    finally:
+        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
 
 
 def mbps(bytes_per_s: float) -> float:
@@ -66,11 +74,7 @@ def mbps(bytes_per_s: float) -> float:
 
 def test_without_a_deadline_every_chunk_comes_at_the_best_level(store, reference, model, tmp_path):
     edge = shaped_edge(store, tmp_path, [(0, mbps(200e6)), (1000, mbps(200e6))])
-    try:
-        restart_trace(edge)
-        ctx = load_context("sed-manual", model=model, edges=[edge.url])
-    finally:
-        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
+    ctx = load_once(edge, model)
     plan = ctx.plan
     assert plan.chunk_levels == ["nearlossless"] * 12
     assert set(plan.chunk_sources) == {edge.url}
@@ -87,17 +91,7 @@ def test_a_rate_drop_mid_load_lowers_the_level_and_the_deadline_is_met(store, mo
     # the rest at the best level would take 3 s more, at the lowest 1.6 s.
     edge = shaped_edge(store, tmp_path, [(0, 128), (0.4, 32), (1000, 32)])
     deadline = 2.5
-    try:
-        restart_trace(edge)
-        ctx = load_context(
-            "sed-manual",
-            model=model,
-            edges=[edge.url],
-            deadline_s=deadline,
-            predictor=HarmonicPredictor(initial_bps=16e6),
-        )
-    finally:
-        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
+    ctx = load_once(edge, model, deadline_s=deadline, initial_bps=16e6)
     plan = ctx.plan
     quality = ctx.manifest.levels
     assert plan.chunk_levels[0] == "nearlossless"  # planned while the link was fast
@@ -114,17 +108,7 @@ def test_a_rate_drop_mid_load_lowers_the_level_and_the_deadline_is_met(store, mo
 def test_when_the_link_stalls_fetches_are_cancelled_and_chunks_recomputed(store, model, tmp_path):
     # 16 MB/s for 0.25 s, then nothing at all: only recomputing can finish the load
     edge = shaped_edge(store, tmp_path, [(0, 128), (0.25, 0), (1000, 0)])
-    try:
-        restart_trace(edge)
-        ctx = load_context(
-            "sed-manual",
-            model=model,
-            edges=[edge.url],
-            deadline_s=20.0,
-            predictor=HarmonicPredictor(initial_bps=16e6),
-        )
-    finally:
-        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
+    ctx = load_once(edge, model, deadline_s=20.0, initial_bps=16e6)
     plan = ctx.plan
     assert plan.cancelled >= 1  # the fetches in flight when the link died were abandoned
     assert any(c.abandoned for c in plan.chunks)
@@ -142,17 +126,7 @@ def test_when_the_link_stalls_fetches_are_cancelled_and_chunks_recomputed(store,
 
 def test_an_impossible_deadline_gives_the_best_effort_and_says_so(store, model, tmp_path):
     edge = shaped_edge(store, tmp_path, [(0, 16), (1000, 16)])  # 2 MB/s
-    try:
-        restart_trace(edge)
-        ctx = load_context(
-            "sed-manual",
-            model=model,
-            edges=[edge.url],
-            deadline_s=0.3,
-            predictor=HarmonicPredictor(initial_bps=2e6),
-        )
-    finally:
-        edge.kill(signal.SIGKILL)  # a stalled shaped response would hold a graceful stop
+    ctx = load_once(edge, model, deadline_s=0.3, initial_bps=2e6)
     plan = ctx.plan
     assert not plan.feasible and plan.ready_s > 0.3
     assert len(plan.chunks) == 12 and all(c.ready_s > 0 for c in plan.chunks)
