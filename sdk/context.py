@@ -72,10 +72,6 @@ class LoadPlan:
     cancelled: int = 0  # fetches abandoned because they could no longer make the deadline
 
     @property
-    def total_seconds(self) -> float:
-        return sum(v for k, v in self.seconds.items() if k != "measure_device")
-
-    @property
     def mean_quality(self) -> float | None:
         """The quality score of the loaded chunks (1.0: exact), weighted by their tokens."""
         tokens = sum(c.tokens for c in self.chunks)

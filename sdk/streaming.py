@@ -74,7 +74,6 @@ class PipelineResult:
     chunks: list[ChunkReport]
     predicted_s: float  # the first plan's estimate of the load
     feasible: bool  # the first plan expected to meet the deadline
-    seconds: float  # what the load took
     replans: int
     cancelled: int
 
@@ -275,7 +274,6 @@ class Pipeline:
             # a failed load does not wait for reads it no longer needs
             fetchers.shutdown(wait=False, cancel_futures=True)
             device.shutdown(wait=True, cancel_futures=True)
-        seconds = time.perf_counter() - self._t0
         reports = []
         for c in self.chunks:
             assert c.option is not None
@@ -293,7 +291,7 @@ class Pipeline:
                 )
             )
         return PipelineResult(
-            reports, first.predicted_s, first.feasible, seconds, self.replans, self.cancelled
+            reports, first.predicted_s, first.feasible, self.replans, self.cancelled
         )
 
     def _loop(self, fetchers: ThreadPoolExecutor, device: ThreadPoolExecutor) -> None:
