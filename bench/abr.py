@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"
 QUESTION = "How do I use this command?"
 LEVELS = ("nearlossless", "high", "default", "low", "lowest")
+METHODS = ("kvcdn", "cachegen", "oracle", *LEVELS, "prefill")
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -123,7 +124,19 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=3072, help="tokens per document (at most)")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "abr.json")
     parser.add_argument("--png", type=Path, default=None, help="[default: beside --json]")
+    parser.add_argument(
+        "--methods", nargs="+", default=None, help=f"[default: all: {' '.join(METHODS)}]"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every plan")
     args = parser.parse_args()
+    methods = args.methods or list(METHODS)
+    if unknown := set(methods) - set(METHODS):
+        raise SystemExit(f"unknown methods {sorted(unknown)}: choose from {' '.join(METHODS)}")
+    if args.verbose:
+        import logging
+
+        logging.basicConfig(format="%(relativeCreated)8.0f ms %(message)s")
+        logging.getLogger("kvcdn.sdk").setLevel(logging.DEBUG)
     traces = args.traces or sorted(SHARED_TRACES.glob("*.log"))
     if not traces:
         raise SystemExit(f"no traces: pass --traces FILE... (none in {SHARED_TRACES})")
@@ -167,7 +180,6 @@ def main() -> int:
     manifests = {name: read_manifest(open_store(str(store)), name) for name, _ in docs}
     scores = {name: quality_scores(m) for name, m in manifests.items()}
 
-    methods = ["kvcdn", "cachegen", "oracle", *LEVELS]
     runs: list[dict[str, Any]] = []
     port = 18000 + os.getpid() % 1000
     started_all = time.perf_counter()
@@ -196,6 +208,8 @@ def main() -> int:
             for name, _ in docs:
                 for offset in offsets:
                     for method in methods:
+                        if method == "prefill":
+                            continue  # once per trace, below
                         runs.append(
                             _run(method, name, url, offset, trace_path.stem, trace, args, model)
                         )
@@ -205,6 +219,8 @@ def main() -> int:
                             f"TTFT {r['ttft_s']:.3f} s, quality {r['quality']:.4f}, "
                             f"{r['bytes'] / 1e6:.1f} MB {r['levels']}"
                         )
+                if "prefill" not in methods:
+                    continue
                 t = time.perf_counter()
                 ctx = load_context(name, model=model, edges=[url], quality="text")
                 answer = ctx.generate(QUESTION, max_new_tokens=1)
@@ -220,7 +236,7 @@ def main() -> int:
             edge.kill()  # shaped responses in flight would hold a graceful stop
             edge.wait(timeout=30)
 
-    summary = _summarise(runs, [*methods, "prefill"], args.deadline)
+    summary = _summarise(runs, methods, args.deadline)
     table = Table(
         title=f"adaptive loading: {len(traces)} traces x {args.offsets} offsets x {len(docs)} "
         f"documents, scale x{args.scale:g}, deadline {args.deadline:g} s"

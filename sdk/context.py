@@ -102,11 +102,14 @@ class Context:
     def name(self) -> str:
         return f"{self.manifest.name}@{self.manifest.version}"
 
+    def _question_ids(self, question: str) -> list[int]:
+        return self.model.question_ids(question)
+
     def generate(self, question: str, *, max_new_tokens: int = 64) -> Answer:
         """Answer ``question`` about the document (greedy decoding)."""
         if not question.strip():
             raise InputError("the question is empty")
-        q_ids = self.model.question_ids(question)
+        q_ids = self._question_ids(question)
         try:
             out, ttft, logits = self.model.greedy(self.cache, q_ids, max_new_tokens)
         finally:
@@ -125,6 +128,60 @@ def answer_with_prefill(
         cache, token_ids + model.question_ids(question), max_new_tokens
     )
     return Answer(model.decode(out), out, ttft, logits)
+
+
+def open_reader(
+    store: str | Reader | None,
+    *,
+    endpoint_url: str | None = None,
+    edges: list[str] | None = None,
+    edge_token: str | None = None,
+) -> Reader:
+    """What ``load_context`` reads through: the edges (falling back to ``store``) or the store."""
+    if edges:
+        origin = None
+        if isinstance(store, Store):
+            origin = store
+        elif isinstance(store, str):
+            origin = open_store(store, endpoint_url=endpoint_url)
+        return EdgeStore(edges, origin, token=edge_token)
+    if store is None or isinstance(store, str):
+        return open_store(store, endpoint_url=endpoint_url)
+    return store  # a Store, or an EdgeStore the caller configured
+
+
+def resolve_manifest(
+    source: str | Path,
+    reader: Reader,
+    model: str | LoadedModel | None,
+    device: str | None = None,
+) -> tuple[Manifest, LoadedModel | None, float]:
+    """The manifest ``source`` names (``name[@version]``, a document path or its text).
+
+    A document's text is found by its digest for a model, so that path loads
+    the model (``model``, or the default) first. Returns the manifest, the
+    model if loaded (or given), and the seconds spent loading it.
+    """
+    loaded = model if isinstance(model, LoadedModel) else None
+    model_s = 0.0
+    if isinstance(source, Path) or (isinstance(source, str) and _is_existing_file(source)):
+        text, what = read_document(source), str(source)
+    elif isinstance(source, str) and _REF.match(source.strip()):
+        name, version = catalog.parse_ref(source.strip())
+        return catalog.read_manifest(reader, name, version), loaded, model_s
+    else:
+        text, what = document_text(str(source).encode("utf-8"), "the text"), "the text"
+    if loaded is None:
+        t = time.perf_counter()
+        loaded = load_model(model if isinstance(model, str) else None, device)
+        model_s = time.perf_counter() - t
+    found = catalog.find_by_source(reader, loaded.fingerprint, source_digest(text))
+    if found is None:
+        raise NotFound(
+            f"{what} has not been published for model {loaded.name} in {reader.url}; "
+            "publish it first (kvcdn publish)"
+        )
+    return catalog.read_manifest(reader, *found), loaded, model_s
 
 
 def load_context(
@@ -169,41 +226,10 @@ def load_context(
         raise InputError(f"deadline_s must be a positive number of seconds, not {deadline_s!r}")
     quality = (quality or AUTO).strip().lower()
     seconds: dict[str, float] = {}
-    reader: Reader
-    if edges:
-        origin = None
-        if isinstance(store, Store):
-            origin = store
-        elif isinstance(store, str):
-            origin = open_store(store, endpoint_url=endpoint_url)
-        reader = EdgeStore(edges, origin, token=edge_token)
-    elif store is None or isinstance(store, str):
-        reader = open_store(store, endpoint_url=endpoint_url)
-    else:
-        reader = store  # a Store, or an EdgeStore the caller configured
-    loaded = model if isinstance(model, LoadedModel) else None
-    manifest = None
-    t = time.perf_counter()
-    if isinstance(source, Path) or (isinstance(source, str) and _is_existing_file(source)):
-        text, what = read_document(source), str(source)
-    elif isinstance(source, str) and _REF.match(source.strip()):
-        name, version = catalog.parse_ref(source.strip())
-        manifest = catalog.read_manifest(reader, name, version)
-    else:
-        text, what = document_text(str(source).encode("utf-8"), "the text"), "the text"
-    if manifest is None:
-        if loaded is None:  # loading the model is a one-off cost, not part of resolving
-            t_model = time.perf_counter()
-            loaded = load_model(model if isinstance(model, str) else None, device)
-            started += time.perf_counter() - t_model
-        found = catalog.find_by_source(reader, loaded.fingerprint, source_digest(text))
-        if found is None:
-            raise NotFound(
-                f"{what} has not been published for model {loaded.name} in {reader.url}; "
-                "publish it first (kvcdn publish)"
-            )
-        manifest = catalog.read_manifest(reader, *found)
-    resolve_s = time.perf_counter() - t
+    reader = open_reader(store, endpoint_url=endpoint_url, edges=edges, edge_token=edge_token)
+    timed = _TimedReader(reader)
+    manifest, loaded, model_s = resolve_manifest(source, timed, model, device)
+    started += model_s  # loading the model is a one-off cost, not part of resolving
     if loaded is None:
         t_model = time.perf_counter()
         loaded = load_model(model or manifest.model_name, device)
@@ -219,11 +245,52 @@ def load_context(
     if predictor is None:
         predictor = _link_predictor(reader.url)
         if isinstance(predictor, HarmonicPredictor) and not predictor.samples:
-            # the manifest's transfer is the first sample of a new link; being
-            # small, it understates the throughput, which errs on the safe side
-            predictor.observe(len(manifest.dumps()), resolve_s)
+            predictor.initial_bps = timed.throughput_bound(predictor.initial_bps)
     load = _Load(manifest, loaded, reader, quality, deadline_s, started, seconds)
     return load.run(predictor, policy or plan)
+
+
+class _TimedReader:
+    """A reader that times its ``get`` calls, for a first look at a new link.
+
+    Resolving a document reads a tiny pointer and then the manifest (tens of
+    kilobytes); the difference of their times is the manifest's transfer
+    without the per-request overhead, which would otherwise swamp it.
+    """
+
+    SMALL = 4096  # bytes: a read this small is all overhead
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.reads: list[tuple[int, float]] = []
+
+    def get(self, key: str) -> bytes:
+        t = time.perf_counter()
+        data = self.inner.get(key)
+        self.reads.append((len(data), time.perf_counter() - t))
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def throughput_bound(self, prior_bps: float) -> float:
+        """A new link's throughput before any chunk: ``prior_bps``, or less if the
+        largest read shows the link is slower.
+
+        A read of tens of kilobytes over a fast link takes less time than the
+        requests' overhead varies by, so it can only show that a link is slow,
+        never that it is fast: the estimate never rises above the prior.
+        """
+        small = [s for n, s in self.reads if n <= self.SMALL]
+        if not self.reads:
+            return prior_bps
+        nbytes, seconds = max(self.reads)
+        if nbytes <= self.SMALL:
+            return prior_bps
+        transfer_s = seconds - min(small, default=0.0)
+        if transfer_s <= 0:
+            return prior_bps
+        return max(1e3, min(prior_bps, nbytes / transfer_s))
 
 
 #: The SDK's throughput predictors, one per source, kept for the process.

@@ -255,6 +255,16 @@ class Pipeline:
         for c in pending:
             c.planned = result.choices[c.entry.index]
         self.replans += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "plan %d at %.3f s: 1 MB in %.3f s; predicted %.3f s (%s); %s",
+                self.replans,
+                now - self._t0 if self._t0 else 0.0,
+                self.predictor.predict_seconds(1_000_000),
+                result.predicted_s,
+                "feasible" if result.feasible else "best effort",
+                " ".join(result.choices[c.entry.index].level for c in pending),
+            )
         return result
 
     # ---- running ---------------------------------------------------------------

@@ -211,3 +211,25 @@ def test_quality_scores_come_from_the_manifest(tmp_path):
     assert scores["default"] == pytest.approx(0.966 - 0.0048)
     assert scores["int8"] == scores["default"]  # unmeasured: like the best with fewer bits
     assert scores["lowest"] < scores["default"]
+
+
+def test_a_new_link_starts_from_the_prior_unless_the_manifest_shows_it_is_slower():
+    """The manifest's read, less the pointer read's overhead, can lower the prior, never raise it."""
+    from kvcdn.sdk.context import _TimedReader
+    from kvcdn.store import open_store
+
+    store = open_store("memory://timed-reader")
+    store.put("pointer", b"{}")
+    store.put("manifest", b"m" * 30_000)
+    timed = _TimedReader(store)
+    assert timed.get("manifest") == b"m" * 30_000  # reads pass through, and are timed
+    assert len(timed.reads) == 1 and timed.reads[0][0] == 30_000
+    prior = 12.5e6
+    timed.reads = [(90, 0.004), (30_000, 0.0045)]  # 30 kB in 0.5 ms beyond the overhead
+    assert timed.throughput_bound(prior) == prior  # 60 MB/s: can't tell; the prior stands
+    timed.reads = [(90, 0.004), (30_000, 0.034)]  # 30 kB in 30 ms: a 1 MB/s link
+    assert timed.throughput_bound(prior) == pytest.approx(1e6)
+    timed.reads = [(30_000, 0.034)]  # no small read to tell the overhead: all of it counts
+    assert timed.throughput_bound(prior) == pytest.approx(30_000 / 0.034)
+    timed.reads = [(90, 0.004)]  # nothing large enough to say anything
+    assert timed.throughput_bound(prior) == prior
