@@ -34,6 +34,10 @@ class FingerprintMismatch(ModelError):
     """KV computed by one model was offered to another."""
 
 
+class BlendUnsupported(ModelError):
+    """The model's KV cannot be moved to other positions (it fails the position self-check)."""
+
+
 class StoreError(KvcdnError):
     """The object store cannot be reached or refused a request."""
 

@@ -161,10 +161,39 @@ class LoadedModel:
         """Token ids of a framed document: the tokens whose KV gets published."""
         return list(self.tokenizer(self._prefix + text, add_special_tokens=False).input_ids)
 
-    def question_ids(self, question: str) -> list[int]:
-        """Token ids that follow a document to ask ``question`` about it."""
-        text = self._question_template.replace(_QUESTION, question)
+    def question_ids(self, question: str, *, documents: int = 1) -> list[int]:
+        """Token ids that follow a document (or ``documents`` of them) to ask ``question``."""
+        template = self._question_template
+        if documents > 1:
+            template = template.replace("the document above", "the documents above")
+        text = template.replace(_QUESTION, question)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def prefix_ids(self) -> list[int]:
+        """Token ids of the framing before a document (chat template, BOS), as
+        :meth:`document_ids` starts them when the boundary tokenizes cleanly."""
+        return list(self.tokenizer(self._prefix, add_special_tokens=False).input_ids)
+
+    def separator_ids(self, separator: str | None = None) -> list[int]:
+        """Token ids put between two documents read together.
+
+        ``None``: the model's chat template's boundary between two user turns
+        (each document its own turn), or a blank line for models without one.
+        """
+        if separator is None:
+            separator = "\n\n"
+            tok = self.tokenizer
+            if getattr(tok, "chat_template", None):
+                first, second = "@@KVCDN_FIRST@@", "@@KVCDN_SECOND@@"
+                rendered = tok.apply_chat_template(
+                    [{"role": "user", "content": first}, {"role": "user", "content": second}],
+                    tokenize=False,
+                )
+                if rendered.count(first) == 1 and rendered.count(second) == 1:
+                    between = rendered.split(first)[1].split(second)[0]
+                    if between:
+                        separator = between
+        return list(self.tokenizer(separator, add_special_tokens=False).input_ids)
 
     def check_fits(self, n_tokens: int) -> None:
         limit = self.context_window - QUESTION_RESERVE_TOKENS

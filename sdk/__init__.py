@@ -6,13 +6,17 @@ ctx = sdk.load_context("sed-manual", store="s3://bucket/kv")
 ctx = sdk.load_context("sed-manual", edges=["http://edge-a:8080", "http://edge-b:8080"],
                        store="s3://bucket/kv")
 print(ctx.generate("How do I edit a file in place?").text)
+# several documents in one context (CacheBlend):
+ctx = sdk.load_contexts(["sed-manual", "grep-manual"], store="s3://bucket/kv")
 """
 
+from .blend import BlendedContext, load_contexts
 from .context import Answer, Context, LoadPlan, answer_with_prefill, forget_links, load_context
 from .edges import EdgeAdmin, EdgeStore, plan_warm, rendezvous
 
 __all__ = [
     "Answer",
+    "BlendedContext",
     "Context",
     "EdgeAdmin",
     "EdgeStore",
@@ -20,6 +24,7 @@ __all__ = [
     "answer_with_prefill",
     "forget_links",
     "load_context",
+    "load_contexts",
     "plan_warm",
     "rendezvous",
 ]

@@ -111,6 +111,13 @@ def device_speed(
 _warmed: set[str] = set()
 
 
+def is_known(loaded: LoadedModel) -> bool:
+    """Whether this process has this device's speeds for ``loaded`` (no measuring to come)."""
+    device = _device_name(loaded.device)
+    with _lock:
+        return any(k.split("|")[1:3] == [loaded.fingerprint[:16], device] for k in _memo)
+
+
 def _warm_kernels(profile: CodecProfile, device: str) -> None:
     """Decode a tiny chunk, so the first real decode does not pay for loading the
     compiled kernels (about 0.4 s on a CPU), while the first fetches are on the wire."""
