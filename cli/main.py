@@ -703,8 +703,33 @@ def warm(
 
 
 @cli.command()
-@click.argument("doc", metavar="DOC")
-@click.argument("question")
+@click.argument("args", nargs=-1, required=True, metavar="DOC... QUESTION")
+@click.option(
+    "--docs",
+    "several",
+    is_flag=True,
+    help="The arguments are several documents, then the question: answer from all of them "
+    "at once (CacheBlend). Implied by more than one DOC.",
+)
+@click.option(
+    "--recompute-ratio",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.15,
+    show_default=True,
+    help="With several documents: the fraction of their tokens recomputed so that later "
+    "documents attend to earlier ones (1 is a full prefill).",
+)
+@click.option(
+    "--no-blend",
+    is_flag=True,
+    help="With several documents: only concatenate their caches (full reuse, no recompute).",
+)
+@click.option(
+    "--separator",
+    metavar="TEXT",
+    help="With several documents: the text between two of them. [default: the model's chat "
+    "template's boundary between two user turns]",
+)
 @click.option(
     "--quality",
     "--level",
@@ -747,8 +772,11 @@ def warm(
 @device_option
 @json_option
 def ask(
-    doc: str,
-    question: str,
+    args: tuple[str, ...],
+    several: bool,
+    recompute_ratio: float,
+    no_blend: bool,
+    separator: str | None,
     quality: str,
     deadline_s: float | None,
     compare: bool,
@@ -761,16 +789,23 @@ def ask(
     device: str | None,
     as_json: bool,
 ) -> None:
-    """Answer QUESTION from DOC's published KV cache.
+    """Answer QUESTION from the published KV cache of DOC (or of several DOCs).
 
     DOC is a document name (name or name@version), or the path of a document
-    that was published.
+    that was published. With several, their caches are blended into one
+    (CacheBlend): placed one after another, moved to their new positions, and
+    --recompute-ratio of their tokens recomputed so that the model reads them
+    as one prompt; --compare then prefills that same prompt.
 
     \b
       kvcdn ask sed-manual "How do I edit a file in place?" --compare
       kvcdn ask sed-manual "..." --deadline 0.5 --edge http://edge-a:8080
       kvcdn ask sed-manual "..." --quality default     # every chunk at one level
+      kvcdn ask --docs sed-manual grep-manual "How do both ignore case?" --compare
     """
+    if len(args) < 2:
+        raise click.UsageError("give a document and a question (DOC... QUESTION)")
+    docs, question = list(args[:-1]), args[-1]
     target: Reader
     if edges:
         from kvcdn.sdk.edges import EdgeStore
@@ -779,13 +814,136 @@ def ask(
         target = EdgeStore(list(edges), origin, token=_read_token(edge_token_file))
     else:
         target = _open(store, endpoint_url)
+    if several or len(docs) > 1:
+        result = _ask_blended(
+            docs,
+            question,
+            recompute_ratio=0.0 if no_blend else recompute_ratio,
+            separator=separator,
+            quality=quality,
+            deadline_s=deadline_s,
+            compare=compare,
+            max_new_tokens=max_new_tokens,
+            model=model,
+            target=target,
+            device=device,
+        )
+        if as_json:
+            _emit_json(result)
+        else:
+            _print_blended(result)
+        return
     result = _ask(
-        doc, question, quality, deadline_s, compare, max_new_tokens, model, target, device
+        docs[0], question, quality, deadline_s, compare, max_new_tokens, model, target, device
     )
     if as_json:
         _emit_json(result)
     else:
         _print_answers(result)
+
+
+def _ask_blended(
+    docs: list[str],
+    question: str,
+    *,
+    recompute_ratio: float,
+    separator: str | None,
+    quality: str,
+    deadline_s: float | None,
+    compare: bool,
+    max_new_tokens: int,
+    model: str | None,
+    target: Reader,
+    device: str | None,
+) -> dict[str, Any]:
+    from kvcdn import sdk
+    from kvcdn.sdk.blend import answer_with_prefill_of
+
+    with err.status("loading model…"):
+        loaded = _model_for(docs[0], model, target, device)
+    with err.status(f"loading and blending {len(docs)} documents…"):
+        ctx = sdk.load_contexts(
+            docs,
+            model=loaded,
+            store=target,
+            recompute_ratio=recompute_ratio,
+            separator=separator,
+            quality=quality,
+            deadline_s=deadline_s,
+            device=device,
+        )
+    answer = ctx.generate(question, max_new_tokens=max_new_tokens)
+    report = ctx.blend
+    result: dict[str, Any] = {
+        "documents": [f"{m.name}@{m.version}" for m in ctx.manifests],
+        "question": question,
+        "kvcdn": {
+            "answer": answer.text,
+            "ttft_s": ctx.ready_s + answer.ttft_s,
+            "blend": {
+                "tokens": report.tokens,
+                "reused": report.reused,
+                "recomputed": report.recomputed,
+                "computed": report.computed,
+                "recompute_ratio": report.recompute_ratio,
+                "seconds": report.seconds,
+            },
+            "loads": [
+                {
+                    "levels": dict(Counter(p.chunk_levels)),
+                    "bytes": p.bytes,
+                    "ready_s": p.ready_s,
+                    "mean_quality": p.mean_quality,
+                }
+                for p in ctx.plans
+            ],
+        },
+    }
+    if compare:
+        with err.status("answering after a full prefill…"):
+            base = answer_with_prefill_of(ctx, question, max_new_tokens=max_new_tokens)
+        result["prefill"] = {"answer": base.text, "ttft_s": base.ttft_s}
+        result["speedup"] = base.ttft_s / result["kvcdn"]["ttft_s"]
+        result["same_answer"] = base.token_ids == answer.token_ids
+    return result
+
+
+def _print_blended(result: dict[str, Any]) -> None:
+    kv = result["kvcdn"]
+    b = kv["blend"]
+    names = " + ".join(result["documents"])
+    out.print(f"[bold]{escape(names)}[/] · {escape(result['question'])}")
+    how = (
+        f"blended, {b['recomputed']} of {b['reused']} tokens recomputed"
+        if b["recompute_ratio"] > 0
+        else "concatenated, nothing recomputed"
+    )
+    out.print(f"\n[bold cyan]kvcdn ({how})[/] first token after {kv['ttft_s']:.2f} s")
+    for name, load in zip(result["documents"], kv["loads"], strict=True):
+        levels = ", ".join(f"{n}×{lv}" for lv, n in load["levels"].items())
+        out.print(f"[dim]{escape(name)}: {levels}; {_mb(load['bytes'])}[/]")
+    out.print(escape(kv["answer"]))
+    if "prefill" in result:
+        pf = result["prefill"]
+        out.print(f"\n[bold magenta]full prefill[/] first token after {pf['ttft_s']:.2f} s")
+        out.print(escape(pf["answer"]))
+        same = "same answer" if result["same_answer"] else "answers differ"
+        out.print(f"\n[bold green]{result['speedup']:.1f}× faster to first token[/] ({same})")
+
+
+def _model_for(doc: str, model: str | None, target: Reader, device: str | None):
+    """The model to answer with: ``model``, else the one ``doc`` was published with.
+
+    Loaded before the clock starts: model loading is a one-off cost of the
+    process, not of answering.
+    """
+    from kvcdn.catalog import parse_ref, read_manifest
+    from kvcdn.models import load_model
+
+    if model or Path(doc).is_file():
+        return load_model(model, device)
+    name, version = parse_ref(doc)
+    return load_model(read_manifest(target, name, version).model_name, device)
 
 
 def _ask(
@@ -800,24 +958,9 @@ def _ask(
     device: str | None,
 ) -> dict[str, Any]:
     from kvcdn import sdk
-    from kvcdn.models import load_model
 
-    loaded = None
-    if model:
-        with err.status("loading model…"):
-            loaded = load_model(model, device)
-    else:
-        # Load the document's own model before the clock starts: model loading
-        # is a one-off cost of the process, not of answering.
-        from kvcdn.catalog import parse_ref, read_manifest
-
-        if not Path(doc).is_file():
-            name, version = parse_ref(doc)
-            with err.status("loading model…"):
-                loaded = load_model(read_manifest(target, name, version).model_name, device)
-        else:
-            with err.status("loading model…"):
-                loaded = load_model(None, device)
+    with err.status("loading model…"):
+        loaded = _model_for(doc, model, target, device)
     ctx = sdk.load_context(
         doc, model=loaded, store=target, quality=quality, deadline_s=deadline_s, device=device
     )
