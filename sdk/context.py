@@ -23,7 +23,7 @@ from kvcdn.store import Reader, Store, open_store
 
 from .devspeed import device_speed
 from .edges import Cancel, EdgeStore
-from .planner import HarmonicPredictor, Policy, ThroughputPredictor, plan
+from .planner import INITIAL_BPS, HarmonicPredictor, Policy, ThroughputPredictor, plan
 from .streaming import ChunkReport, FetchFn, Pipeline
 
 if TYPE_CHECKING:
@@ -245,7 +245,8 @@ def load_context(
     if predictor is None:
         predictor = _link_predictor(reader.url)
         if isinstance(predictor, HarmonicPredictor) and not predictor.samples:
-            predictor.initial_bps = timed.throughput_bound(predictor.initial_bps)
+            # from the default prior each time: a slow resolve must not lower it for good
+            predictor.initial_bps = timed.throughput_bound(INITIAL_BPS)
     load = _Load(manifest, loaded, reader, quality, deadline_s, started, seconds)
     return load.run(predictor, policy or plan)
 

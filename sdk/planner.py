@@ -69,6 +69,10 @@ class ThroughputPredictor(Protocol):
     def observe(self, nbytes: int, seconds: float) -> None: ...
 
 
+#: A new link's throughput before anything is known of it (100 Mbit/s).
+INITIAL_BPS = 12.5e6
+
+
 class HarmonicPredictor:
     """RobustMPC's predictor: the harmonic mean of the last ``window`` throughput
     samples, divided by ``1 + the largest recent relative prediction error``.
@@ -81,7 +85,7 @@ class HarmonicPredictor:
 
     def __init__(
         self,
-        initial_bps: float = 12.5e6,
+        initial_bps: float = INITIAL_BPS,
         *,
         window: int = 5,
         latency_s: float = 0.0,
