@@ -214,7 +214,7 @@ def test_quality_scores_come_from_the_manifest(tmp_path):
 
 
 def test_a_new_link_starts_from_the_prior_unless_the_manifest_shows_it_is_slower():
-    """The manifest's read, less the pointer read's overhead, can lower the prior, never raise it."""
+    """The manifest's read, less the pointer read's overhead, lowers the prior, never raises it."""
     from kvcdn.sdk.context import _TimedReader
     from kvcdn.store import open_store
 
