@@ -902,10 +902,25 @@ def _ask_blended(
     if compare:
         with err.status("answering after a full prefill…"):
             base = answer_with_prefill_of(ctx, question, max_new_tokens=max_new_tokens)
-        result["prefill"] = {"answer": base.text, "ttft_s": base.ttft_s}
-        result["speedup"] = base.ttft_s / result["kvcdn"]["ttft_s"]
-        result["same_answer"] = base.token_ids == answer.token_ids
+        _add_prefill(result, base, answer)
     return result
+
+
+def _add_prefill(result: dict[str, Any], base: Any, answer: Any) -> None:
+    """Put the full prefill's answer beside kvcdn's in ``result`` (``--compare``)."""
+    result["prefill"] = {"answer": base.text, "ttft_s": base.ttft_s}
+    result["speedup"] = base.ttft_s / result["kvcdn"]["ttft_s"]
+    result["same_answer"] = base.token_ids == answer.token_ids
+
+
+def _print_prefill(result: dict[str, Any]) -> None:
+    if "prefill" not in result:
+        return
+    pf = result["prefill"]
+    out.print(f"\n[bold magenta]full prefill[/] first token after {pf['ttft_s']:.2f} s")
+    out.print(escape(pf["answer"]))
+    same = "same answer" if result["same_answer"] else "answers differ"
+    out.print(f"\n[bold green]{result['speedup']:.1f}× faster to first token[/] ({same})")
 
 
 def _print_blended(result: dict[str, Any]) -> None:
@@ -923,12 +938,7 @@ def _print_blended(result: dict[str, Any]) -> None:
         levels = ", ".join(f"{n}×{lv}" for lv, n in load["levels"].items())
         out.print(f"[dim]{escape(name)}: {levels}; {_mb(load['bytes'])}[/]")
     out.print(escape(kv["answer"]))
-    if "prefill" in result:
-        pf = result["prefill"]
-        out.print(f"\n[bold magenta]full prefill[/] first token after {pf['ttft_s']:.2f} s")
-        out.print(escape(pf["answer"]))
-        same = "same answer" if result["same_answer"] else "answers differ"
-        out.print(f"\n[bold green]{result['speedup']:.1f}× faster to first token[/] ({same})")
+    _print_prefill(result)
 
 
 def _model_for(doc: str, model: str | None, target: Reader, device: str | None):
@@ -990,9 +1000,7 @@ def _ask(
             base = sdk.answer_with_prefill(
                 loaded, ctx.token_ids, question, max_new_tokens=max_new_tokens
             )
-        result["prefill"] = {"answer": base.text, "ttft_s": base.ttft_s}
-        result["speedup"] = base.ttft_s / result["kvcdn"]["ttft_s"]
-        result["same_answer"] = base.token_ids == answer.token_ids
+        _add_prefill(result, base, answer)
     return result
 
 
@@ -1012,12 +1020,7 @@ def _print_answers(result: dict[str, Any]) -> None:
         served = ", ".join(f"{escape(s)} ({n} chunks)" for s, n in kv["sources"].items())
         out.print(f"[dim]served by {served}[/]")
     out.print(escape(kv["answer"]))
-    if "prefill" in result:
-        pf = result["prefill"]
-        out.print(f"\n[bold magenta]full prefill[/] first token after {pf['ttft_s']:.2f} s")
-        out.print(escape(pf["answer"]))
-        same = "same answer" if result["same_answer"] else "answers differ"
-        out.print(f"\n[bold green]{result['speedup']:.1f}× faster to first token[/] ({same})")
+    _print_prefill(result)
 
 
 @cli.command()
