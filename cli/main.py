@@ -795,7 +795,8 @@ def ask(
     that was published. With several, their caches are blended into one
     (CacheBlend): placed one after another, moved to their new positions, and
     --recompute-ratio of their tokens recomputed so that the model reads them
-    as one prompt; --compare then prefills that same prompt.
+    as one prompt. The tokens recomputed are those that matter most to
+    QUESTION; --compare then prefills that same prompt.
 
     \b
       kvcdn ask sed-manual "How do I edit a file in place?" --compare
@@ -870,6 +871,7 @@ def _ask_blended(
             separator=separator,
             quality=quality,
             deadline_s=deadline_s,
+            question=question,
             device=device,
         )
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
@@ -886,6 +888,7 @@ def _ask_blended(
                 "recomputed": report.recomputed,
                 "computed": report.computed,
                 "recompute_ratio": report.recompute_ratio,
+                "chosen_for_question": report.query > 0,
                 "seconds": report.seconds,
             },
             "loads": [
@@ -930,6 +933,7 @@ def _print_blended(result: dict[str, Any]) -> None:
     out.print(f"[bold]{escape(names)}[/] · {escape(result['question'])}")
     how = (
         f"blended, {b['recomputed']} of {b['reused']} tokens recomputed"
+        + (" for the question" if b["chosen_for_question"] else "")
         if b["recompute_ratio"] > 0
         else "concatenated, nothing recomputed"
     )

@@ -14,9 +14,18 @@ after another, two things are wrong with them:
   tokens with the largest deviation of their fresh KV from the reused one
   are kept, fewer at each check (gradual filtering), down to
   ``recompute_ratio`` of the reused tokens, and only they go through the
-  remaining layers, attending to the fused cache: reused KV everywhere
-  except at the recomputed tokens. The first document is a true prefix:
-  its cache is what a prefill computes, so none of the budget goes to it.
+  rest of the layer and the layers after, attending to the fused cache:
+  reused KV everywhere except at the recomputed tokens. The first document
+  is a true prefix: its cache is what a prefill computes, so none of the
+  budget goes to it.
+
+When the query (the question) is known, the choice is query-aware: a token
+deviating much matters only if the answer reads it, so each deviation is
+weighted by the attention the query's last token pays that token in the
+deeper layers, measured by running the query over the reused cache first.
+On the embedded model this halves the KL of the answer to a full prefill's
+at the same ratio (docs/blend.md). The query is then computed with the
+chosen tokens, so the answer's first token comes out of the blend.
 
 Tokens with no cache (separators between documents) are computed at every
 layer. With ``recompute_ratio=1`` every token is recomputed at every layer,
@@ -46,12 +55,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Layers after which the most deviating tokens are kept (0-based): every
-#: token goes through layers 0 to 2; the first check keeps twice the ratio,
-#: the second the ratio (gradual filtering, as in the paper). On the embedded
-#: model, choosing at layers 2 and 3 rather than 1 and 2 brings the answer's
-#: KL to a full prefill's about a fifth lower for one more layer of work.
+#: Layers at which the most deviating tokens are kept (0-based): every token
+#: goes through layers 0 and 1, and its K and V are computed at layer 2; the
+#: first check keeps twice the ratio, the second the ratio (gradual
+#: filtering, as in the paper). On the embedded model, choosing at layers 2
+#: and 3 rather than 1 and 2 brings the answer's KL to a full prefill's about
+#: a fifth lower for one more layer of work.
 CHECK_LAYERS = (2, 3)
+#: A query-aware choice weighs each token's deviation by the attention the
+#: query's last token pays it from this fraction of the depth on: the deeper
+#: layers, where the answer is made. On the embedded model, from a third down
+#: brought the answer's KL to a full prefill lower than from the first layers
+#: (early attention is local and spread out) and than from the last few alone.
+QUERY_ATTENTION_FROM = 1 / 3
 #: Unsupported rotary schemes: their frequencies depend on the sequence length.
 _LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 # The self-check's tolerance on keys, relative to their largest magnitude.
@@ -78,13 +94,29 @@ class BlendReport:
     recomputed: int  # reused tokens recomputed through every layer (HKVD tokens)
     computed: int  # tokens without a cache, computed at every layer (separators)
     recompute_ratio: float
+    query: int = 0  # tokens of the query that weighed the choice (0: chosen without one)
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Blended:
+    """What :func:`blend` returns."""
+
+    kv: torch.Tensor  # [L, 2, H, T, D]: the fused KV of the pieces, then of the query if given
+    report: BlendReport
+    #: the next-token logits after the query (``[vocab]``), when a query was given
+    query_logits: torch.Tensor | None = None
 
 
 def _decoder(loaded: LoadedModel):
     base = getattr(loaded.model, "model", None)
     layers = getattr(base, "layers", None)
-    if base is None or layers is None or not hasattr(base, "rotary_emb"):
+    if (
+        base is None
+        or layers is None
+        or not all(hasattr(base, n) for n in ("rotary_emb", "norm"))
+        or not hasattr(loaded.model, "lm_head")
+    ):
         raise BlendUnsupported(f"{loaded.name}: blending supports decoder models like Llama's")
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
@@ -189,7 +221,8 @@ def blend(
     recompute_ratio: float,
     exact_prefix: int = 0,
     check_layers: Sequence[int] | None = None,
-) -> tuple[torch.Tensor, BlendReport]:
+    query_ids: Sequence[int] | None = None,
+) -> Blended:
     """The fused KV ``[L, 2, H, len(ids), D]`` of ``pieces`` placed one after another.
 
     ``ids`` are the pieces' tokens, concatenated. ``pieces`` may be a callable
@@ -200,6 +233,14 @@ def blend(
     first document, at its own positions, attends to nothing it lacks), so
     the recompute budget, ``recompute_ratio`` of all reused tokens, goes to
     the tokens after it. ``recompute_ratio=1`` recomputes every token.
+
+    ``query_ids``, the tokens that follow (the question), make the choice
+    query-aware: each token's deviation is weighted by the attention the
+    query's last token pays it in the deeper layers, read off a pass of the
+    query over the reused cache (see :data:`QUERY_ATTENTION_FROM`). The query
+    is then computed with the chosen tokens, as CacheBlend always recomputes
+    it: the result holds its KV after the pieces' and the logits of the token
+    that follows it, so the answer's first token needs no further pass.
     """
     import torch
 
@@ -216,11 +257,13 @@ def blend(
     n_layers, kv_heads, head_dim = len(layers), loaded.layout.kv_heads, loaded.layout.head_dim
     device = loaded.device
     dtype = next(loaded.model.parameters()).dtype
-    total = len(ids)
     check_layers = CHECK_LAYERS if check_layers is None else check_layers
-    checks = sorted(c for c in set(check_layers) if c < n_layers - 1) if recompute_ratio > 0 else []
-    if recompute_ratio >= 1.0:
-        checks = []  # everything is recomputed: nothing to choose
+    checks = sorted(c for c in set(check_layers) if c < n_layers - 1)
+    if not 0.0 < recompute_ratio < 1.0:
+        checks = []  # nothing recomputed, or everything: nothing to choose
+    query = list(query_ids or []) if checks else []
+    n_context = len(ids)
+    total = n_context + len(query)
 
     kv = torch.empty((n_layers, 2, kv_heads, total, head_dim), dtype=dtype, device=device)
     cached = torch.zeros(total, dtype=torch.bool, device=device)
@@ -249,13 +292,15 @@ def blend(
                 kv[from_layer:, 1, :, at : at + n] = src[:, 1]
                 cached[at : at + n] = True
             at += n
-        if at != total:
-            raise InputError(f"the pieces hold {at} tokens, the sequence {total}")
+        if at != n_context:
+            raise InputError(f"the pieces hold {at} tokens, the sequence {n_context}")
         seconds["place"] = time.perf_counter() - t
 
+    weight: torch.Tensor | None = None
+    query_logits: torch.Tensor | None = None
     n_reused_budget: int | None = None
     with torch.inference_mode():
-        ids_t = torch.tensor([list(ids)], device=device)
+        ids_t = torch.tensor([[*ids, *query]], device=device)
         positions = torch.arange(total, device=device)
         hidden = base.embed_tokens(ids_t)[0]  # [T, hidden]
         cos, sin = base.rotary_emb(hidden[None], positions[None])  # [1, T, D]
@@ -267,99 +312,158 @@ def blend(
         elif recompute_ratio >= 1.0:
             place_caches()  # validates the pieces; their KV is all overwritten
         for index, layer in enumerate(layers):
-            if checks and index == checks[0] and not got_pieces:
-                place_caches(from_layer=index)
+            if checks and index == checks[0]:
+                if not got_pieces:
+                    place_caches(from_layer=index)
+                if query:
+                    t = time.perf_counter()
+                    weight = _query_attention(
+                        layers, index, hidden, positions[~cached], cos, sin, kv
+                    )
+                    seconds["query_attention"] = time.perf_counter() - t
             if active.numel() == 0:
                 break  # every token reused as is
-            last = index == n_layers - 1
-            hidden, k, v = _layer(layer, hidden, active, cos, sin, kv[index], last)
-            if checks and index in checks:
-                # deviation of the fresh KV from the reused one, per token
+            q, k, v = _project(layer, hidden, active, cos, sin, head_dim)
+            if index in checks:
+                # how far each token's fresh KV is from the reused one
                 deviation = (k - kv[index, 0, :, active]).float().pow(2).sum(dim=(0, 2)) + (
                     v - kv[index, 1, :, active]
                 ).float().pow(2).sum(dim=(0, 2))
+                if weight is not None:
+                    deviation *= weight[active]
                 reusable = cached[active] & (active >= exact_prefix)
                 if n_reused_budget is None:
                     n_reused_budget = int(cached.sum())
                 step = checks.index(index)
                 keep_frac = recompute_ratio * (len(checks) - step)
                 n_keep = min(int(reusable.sum()), math.ceil(keep_frac * n_reused_budget))
-                # tokens without a cache stay; the exact prefix's go
-                deviation[~cached[active]] = math.inf
+                # the tokens without a cache (separators, the query) stay; the
+                # exact prefix's go
+                fresh = ~cached[active]
+                deviation[fresh] = math.inf
                 deviation[active < exact_prefix] = -math.inf
-                n_fresh = int((~cached[active]).sum())
-                keep = torch.topk(deviation, n_keep + n_fresh).indices.sort().values
-                kv[index, 0, :, active] = k
+                keep = torch.topk(deviation, n_keep + int(fresh.sum())).indices.sort().values
+                kv[index, 0, :, active] = k  # fresh KV for every token computed here
                 kv[index, 1, :, active] = v
-                active, hidden = active[keep], hidden[keep]
+                active, hidden, q = active[keep], hidden[keep], q[:, keep]
             else:
                 kv[index, 0, :, active] = k
                 kv[index, 1, :, active] = v
+            if index < n_layers - 1:
+                hidden = _attend(layer, hidden, q, active, kv[index])
+            elif query:  # of the last layer, only the query's last token's output is read
+                last = _attend(layer, hidden[-1:], q[:, -1:], active[-1:], kv[index])
+                query_logits = loaded.model.lm_head(base.norm(last))[0].float()
     if not got_pieces:
         place_caches()
     reused = int(cached.sum())
     recomputed = int(cached[active].sum())
-    computed = total - reused
+    computed = n_context - reused
     seconds["blend"] = time.perf_counter() - started
-    report = BlendReport(total, reused, recomputed, computed, recompute_ratio, seconds)
+    report = BlendReport(
+        n_context, reused, recomputed, computed, recompute_ratio, len(query), seconds
+    )
     log.info(
-        "blended %d tokens: %d reused, %d of them recomputed (%.0f%%), %d computed; %.2f s",
-        total,
+        "blended %d tokens: %d reused, %d of them recomputed (%.0f%%%s), %d computed; %.2f s",
+        n_context,
         reused,
         recomputed,
         100 * recomputed / max(1, reused),
+        ", chosen for a query" if query else "",
         computed,
         seconds["blend"],
     )
-    return kv, report
+    return Blended(kv, report, query_logits)
 
 
-def _layer(
-    layer,
+def _query_attention(
+    layers: list,
+    start: int,
     hidden: torch.Tensor,
-    active: torch.Tensor,
+    probe: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv: torch.Tensor,
-    last: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer for the ``active`` tokens, attending to ``kv`` (``[2, H, T, D]``)
-    with theirs in place. Returns their new hidden states and their fresh K and V
-    (``[H, n, D]``, keys rotated)."""
+) -> torch.Tensor:
+    """How much the last token attends to each token (``[T]``), summed over heads and
+    the layers from :data:`QUERY_ATTENTION_FROM` of the depth on.
+
+    Runs the ``probe`` tokens (those without a cache: separators, then the
+    query) from layer ``start`` on, over the reused cache in ``kv``, where it
+    leaves their KV (recomputed afterwards, over the fused cache).
+    ``hidden`` holds every token's hidden state at ``start``.
+    """
     import torch
+
+    n_layers = len(layers)
+    head_dim = kv.shape[-1]
+    first = max(start, math.ceil(n_layers * QUERY_ATTENTION_FROM))
+    weight = torch.zeros(kv.shape[3], dtype=torch.float32, device=kv.device)
+    h = hidden[probe]
+    for index in range(start, n_layers):
+        layer = layers[index]
+        q, k, v = _project(layer, h, probe, cos, sin, head_dim)
+        kv[index, 0, :, probe] = k
+        kv[index, 1, :, probe] = v
+        if index >= first:
+            keys = kv[index, 0].float()  # [H, T, D]; the last token sees every position
+            last = q[:, -1].float().view(keys.shape[0], -1, head_dim)  # [H, heads/H, D]
+            scores = torch.einsum("hgd,htd->hgt", last, keys) * _scaling(layer, head_dim)
+            weight += scores.softmax(dim=-1).sum(dim=(0, 1))
+        if index < n_layers - 1:
+            h = _attend(layer, h, q, probe, kv[index])
+    return weight
+
+
+def _scaling(layer, head_dim: int) -> float:
+    return getattr(layer.self_attn, "scaling", head_dim**-0.5)
+
+
+def _project(
+    layer, hidden: torch.Tensor, active: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The ``active`` tokens' queries (``[heads, n, D]``), keys and values
+    (``[kv_heads, n, D]``) at ``layer``, rotated to their positions."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     attn = layer.self_attn
     n = active.shape[0]
     x = layer.input_layernorm(hidden)
-    head_dim = kv.shape[-1]
     k = attn.k_proj(x).view(n, -1, head_dim)
     v = attn.v_proj(x).view(n, -1, head_dim).transpose(0, 1)
     if getattr(attn, "k_norm", None) is not None:
         k = attn.k_norm(k)
-    k = k.transpose(0, 1)
     q = attn.q_proj(x).view(n, -1, head_dim)
     if getattr(attn, "q_norm", None) is not None:
         q = attn.q_norm(q)
-    q = q.transpose(0, 1)
-    q, k = apply_rotary_pos_emb(q[None], k[None], cos[:, active], sin[:, active])
-    q, k = q[0], k[0]
-    if last:  # nothing reads the last layer's output but its KV
-        return hidden, k, v
-    keys = kv[0].clone()
-    values = kv[1].clone()
-    keys[:, active] = k
-    values[:, active] = v
-    total = keys.shape[1]
-    mask = torch.arange(total, device=active.device)[None, :] <= active[:, None]  # causal
+    q, k = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, active], sin[:, active]
+    )
+    return q[0], k[0], v
+
+
+def _attend(
+    layer, hidden: torch.Tensor, q: torch.Tensor, active: torch.Tensor, kv: torch.Tensor
+) -> torch.Tensor:
+    """The rest of ``layer`` for the ``active`` tokens: attention over ``kv``
+    (``[2, H, T, D]``, theirs in place), then the MLP. Returns their new hidden states."""
+    import torch
+
+    n, total, head_dim = active.shape[0], kv.shape[2], kv.shape[-1]
+    if n == total:  # every token: plain causal attention
+        mask, causal = None, True
+    else:
+        mask = (torch.arange(total, device=active.device)[None, :] <= active[:, None])[None, None]
+        causal = False
     out = torch.nn.functional.scaled_dot_product_attention(
         q[None],
-        keys[None],
-        values[None],
-        attn_mask=mask[None, None],
-        scale=getattr(attn, "scaling", head_dim**-0.5),
+        kv[0][None],
+        kv[1][None],
+        attn_mask=mask,
+        is_causal=causal,
+        scale=_scaling(layer, head_dim),
         enable_gqa=True,
     )[0]  # [heads, n, D]
-    hidden = hidden + attn.o_proj(out.transpose(0, 1).reshape(n, -1))
-    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return hidden, k, v
+    hidden = hidden + layer.self_attn.o_proj(out.transpose(0, 1).reshape(n, -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

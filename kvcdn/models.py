@@ -258,15 +258,25 @@ class LoadedModel:
         return cache
 
     def greedy(
-        self, cache: Any, new_ids: list[int], max_new_tokens: int
+        self,
+        cache: Any,
+        new_ids: list[int],
+        max_new_tokens: int,
+        *,
+        logits: torch.Tensor | None = None,
     ) -> tuple[list[int], float, torch.Tensor]:
         """Greedy decoding after ``cache``: feeds ``new_ids`` then generates.
+
+        ``logits``: those after the cache's last token, when it already holds
+        everything before the answer (``new_ids`` is then empty).
 
         Returns the generated ids, the seconds to the first token, and the
         logits that chose the first token. The cache grows; callers crop it.
         """
         import torch
 
+        if (logits is None) == (not new_ids):
+            raise ValueError("greedy needs either new tokens to feed or the logits after them")
         eos = {self.tokenizer.eos_token_id, *(_as_list(self.model.generation_config.eos_token_id))}
         out: list[int] = []
         start = time.perf_counter()
@@ -275,7 +285,8 @@ class LoadedModel:
         with torch.inference_mode():
             ids = torch.tensor([new_ids], device=self.device)
             for step in range(max_new_tokens):
-                logits = self.model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+                if step or logits is None:
+                    logits = self.model(ids, past_key_values=cache, use_cache=True).logits[0, -1]
                 token = int(torch.argmax(logits))
                 if step == 0:
                     ttft = time.perf_counter() - start

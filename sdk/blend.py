@@ -24,7 +24,7 @@ from kvcdn.blend import BlendReport, Piece
 from kvcdn.blend import blend as blend_caches
 from kvcdn.errors import FingerprintMismatch, InputError
 from kvcdn.manifest import Manifest
-from kvcdn.models import LoadedModel, kv_from_cache, load_model
+from kvcdn.models import LoadedModel, crop_cache, kv_from_cache, load_model
 from kvcdn.store import Reader
 
 from .context import AUTO, Answer, Context, LoadPlan, load_context, open_reader, resolve_manifest
@@ -46,6 +46,7 @@ class BlendedContext(Context):
         plans: list[LoadPlan],
         report: BlendReport,
         ready_s: float,
+        asked: tuple[list[int], Any] | None = None,
     ) -> None:
         self.manifests = manifests
         self.manifest = manifests[0]
@@ -56,6 +57,9 @@ class BlendedContext(Context):
         self.plan = plans[0]
         self.blend = report
         self.ready_s = ready_s  # seconds from the call to a cache ready for a question
+        # the question the blend computed: its token ids and the logits after them
+        # (the cache then holds its KV after the documents')
+        self._asked = asked
 
     @property
     def name(self) -> str:
@@ -63,6 +67,20 @@ class BlendedContext(Context):
 
     def _question_ids(self, question: str) -> list[int]:
         return self.model.question_ids(question, documents=len(self.manifests))
+
+    def generate(self, question: str, *, max_new_tokens: int = 64) -> Answer:
+        asked, self._asked = self._asked, None
+        if asked is not None and question.strip() and self._question_ids(question) == asked[0]:
+            # the blend computed this question already: answer from its logits
+            try:
+                out, ttft, logits = self.model.greedy(
+                    self.cache, [], max_new_tokens, logits=asked[1]
+                )
+            finally:
+                crop_cache(self.cache, len(self.token_ids))
+            return Answer(self.model.decode(out), out, ttft, logits)
+        crop_cache(self.cache, len(self.token_ids))  # without the blend's question, if any
+        return super().generate(question, max_new_tokens=max_new_tokens)
 
 
 def load_contexts(
@@ -75,6 +93,7 @@ def load_contexts(
     quality: str = AUTO,
     deadline_s: float | None = None,
     separator: str | None = None,
+    question: str | None = None,
     device: str | None = None,
     endpoint_url: str | None = None,
     edges: list[str] | None = None,
@@ -96,6 +115,12 @@ def load_contexts(
     getting an equal share of the deadline. ``separator`` is the text put
     between documents (default: the model's chat template's boundary between
     two user turns).
+
+    ``question``, when known at load time, makes the blend query-aware: the
+    tokens recomputed are those whose deviation matters most to this
+    question (weighted by the attention it pays them over the reused cache).
+    The context still answers any question; it is closest to a full prefill
+    for this one.
     """
     started = time.perf_counter()
     sources = list(sources)
@@ -175,22 +200,30 @@ def load_contexts(
             out.append(Piece(ctx.token_ids[strip:], kv[:, :, :, strip:], strip))
         return out
 
+    query_ids = None
+    if question is not None:
+        query_ids = loaded.question_ids(question, documents=len(manifests))
     try:
-        kv, report = blend_caches(
+        blended = blend_caches(
             loaded,
             pieces,
             token_ids,
             recompute_ratio=recompute_ratio if blend else 0.0,
             exact_prefix=len(manifests[0].token_ids),
+            query_ids=query_ids,
         )
     finally:
         loader.shutdown(wait=True)
-    cache = loaded.cache_from_kv(kv)
+    cache = loaded.cache_from_kv(blended.kv)
     # measuring the device is a one-off cost, like loading the model: not on the clock
     measuring_s = sum(c.plan.seconds.get("measure_device", 0.0) for c in contexts)
     ready_s = time.perf_counter() - started - measuring_s
+    asked = None  # a blend that chose nothing (full reuse, full prefill) computed no question
+    if query_ids is not None and blended.query_logits is not None:
+        asked = (query_ids, blended.query_logits)
+    plans = [c.plan for c in contexts]
     return BlendedContext(
-        manifests, loaded, cache, token_ids, [c.plan for c in contexts], report, ready_s
+        manifests, loaded, cache, token_ids, plans, blended.report, ready_s, asked
     )
 
 

@@ -137,7 +137,8 @@ def _kl_to_prefill(model, ctx, question, reference_logits):
 
 def test_blending_is_closer_to_prefill_than_concatenation(model, store):
     """Recomputing 15% of the tokens brings the answer's distribution closer to a
-    full prefill's than reusing every cache as it is (KL at the first answer token)."""
+    full prefill's than reusing every cache as it is (KL at the first answer token),
+    and closer still when the tokens are chosen for the question."""
     reuse = sdk.load_contexts(list(PAGES), model=model, store=store, blend=False)
     assert reuse.blend.recomputed == 0
     blended = sdk.load_contexts(list(PAGES), model=model, store=store, recompute_ratio=0.15)
@@ -146,6 +147,12 @@ def test_blending_is_closer_to_prefill_than_concatenation(model, store):
     kl_reuse = _kl_to_prefill(model, reuse, QUESTION, reference)
     kl_blend = _kl_to_prefill(model, blended, QUESTION, reference)
     assert kl_blend < kl_reuse
+    chosen = sdk.load_contexts(
+        list(PAGES), model=model, store=store, recompute_ratio=0.15, question=QUESTION
+    )
+    crop_cache(chosen.cache, len(chosen.token_ids))  # _kl_to_prefill feeds the question
+    kl_chosen = _kl_to_prefill(model, chosen, QUESTION, reference)
+    assert kl_chosen < kl_blend
 
 
 def test_documents_of_another_model_or_tokenizer_are_refused(model, store):
@@ -180,3 +187,38 @@ def test_ask_several_documents(model, store):
     missing = runner.invoke(cli, ["ask", "--docs", "sed", "nope", QUESTION, "--store", store])
     assert missing.exit_code != 0 and "nope" in missing.output
     assert "Traceback" not in missing.output
+
+
+def test_a_blend_chosen_for_the_question(model, store):
+    """With the question known at load time, the blend computes it with the tokens
+    it chose for it: answering it needs no further pass and gives what feeding the
+    question over the same cache gives; another question crops it away first."""
+    plain = sdk.load_contexts(list(PAGES), model=model, store=store, recompute_ratio=0.15)
+    ctx = sdk.load_contexts(
+        list(PAGES), model=model, store=store, recompute_ratio=0.15, question=QUESTION
+    )
+    q_ids = ctx._question_ids(QUESTION)
+    assert ctx.blend.query == len(q_ids)
+    assert ctx.blend.recomputed == plain.blend.recomputed  # the same budget, spent otherwise
+    assert ctx.cache.get_seq_length() == len(ctx.token_ids) + len(q_ids)
+    chosen = ctx.generate(QUESTION, max_new_tokens=12)
+    assert ctx.cache.get_seq_length() == len(ctx.token_ids)  # ready for the next question
+    fed, _, logits = model.greedy(ctx.cache, q_ids, 12)
+    crop_cache(ctx.cache, len(ctx.token_ids))
+    assert chosen.token_ids == fed
+    assert torch.allclose(chosen.first_token_logits, logits, atol=2e-3)
+    # a different cache from the plain blend's: other tokens were recomputed
+    assert not torch.equal(ctx.cache.layers[-1].values, plain.cache.layers[-1].values)
+
+    other = "What does tar do?"
+    again = sdk.load_contexts(
+        list(PAGES), model=model, store=store, recompute_ratio=0.15, question=QUESTION
+    )
+    answer = again.generate(other, max_new_tokens=8)
+    expected, _, _ = model.greedy(ctx.cache, ctx._question_ids(other), 8)
+    assert answer.token_ids == expected
+    # nothing to choose at a ratio of 1: the question is not computed ahead
+    full = sdk.load_contexts(
+        list(PAGES), model=model, store=store, recompute_ratio=1.0, question=QUESTION
+    )
+    assert full.blend.query == 0 and full.cache.get_seq_length() == len(full.token_ids)
