@@ -224,7 +224,19 @@ def main() -> int:
     reuse_kl = summary["full reuse"]["kl"]
     for s in summary.values():
         s["speedup_vs_prefill"] = prefill_ttft / s["ttft_s"]
-        s["kl_reduction_vs_full_reuse"] = reuse_kl / s["kl"] if s["kl"] > 0 else float("inf")
+        s["kl_reduction_vs_full_reuse"] = reuse_kl / s["kl"] if s["kl"] > 0 else None
+    # each question's KL reduction: how much the mean owes to a few questions
+    blends = [m for m in methods if m.startswith("cacheblend")]
+    per_question: list[dict[str, Any]] = []
+    for question in QUESTIONS[: args.questions]:
+        kls = {r["method"]: r["kl"] for r in runs if r["question"] == question}
+        per_question.append(
+            {
+                "question": question,
+                "full_reuse_kl": kls["full reuse"],
+                "kl_reduction": {m: kls["full reuse"] / max(kls[m], 1e-12) for m in blends},
+            }
+        )
 
     table = Table(
         title=f"{len(args.pages)} documents of {args.tokens} tokens, "
@@ -239,14 +251,29 @@ def main() -> int:
         table.add_row(
             method,
             f"{s['kl']:.4f}",
-            f"{s['kl_reduction_vs_full_reuse']:.1f}x lower" if method != "full reuse" else "",
+            ""
+            if s["kl_reduction_vs_full_reuse"] is None or method == "full reuse"
+            else f"{s['kl_reduction_vs_full_reuse']:.1f}x lower",
             f"{s['perplexity']:.3f}",
             f"{100 * s['same_answer']:.0f}%",
             f"{100 * s['same_first_token']:.0f}%",
             f"{s['ttft_s']:.3f}",
             f"{s['speedup_vs_prefill']:.1f}x",
         )
-    Console().print(table)
+    out = Console(width=None if sys.stdout.isatty() else 150)
+    out.print(table)
+    by_question = Table(title="KL reduction against full reuse, per question")
+    by_question.add_column("question")
+    by_question.add_column("full reuse KL", justify="right")
+    for m in blends:
+        by_question.add_column(m.removeprefix("cacheblend "), justify="right")
+    for row in per_question:
+        by_question.add_row(
+            row["question"][:60],
+            f"{row['full_reuse_kl']:.4f}",
+            *(f"{row['kl_reduction'][m]:.1f}x" for m in blends),
+        )
+    out.print(by_question)
     result = {
         "benchmark": "blend",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -254,6 +281,7 @@ def main() -> int:
         "documents": names,
         "tokens_per_document": args.tokens,
         "summary": summary,
+        "per_question": per_question,
         "runs": runs,
         "seconds": time.perf_counter() - started_all,
     }
