@@ -23,7 +23,7 @@ When the query (the question) is known, the choice is query-aware: a token
 deviating much matters only if the answer reads it, so each deviation is
 weighted by the attention the query's last token pays that token in the
 deeper layers, measured by running the query over the reused cache first.
-On the embedded model this halves the KL of the answer to a full prefill's
+On the embedded model this about halves the KL of the answer to a full prefill's
 at the same ratio (docs/blend.md). The query is then computed with the
 chosen tokens, so the answer's first token comes out of the blend.
 
