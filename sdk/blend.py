@@ -130,6 +130,8 @@ def load_contexts(
         raise InputError(f"recompute_ratio must be between 0 and 1, not {recompute_ratio!r}")
     if deadline_s is not None and not deadline_s > 0:
         raise InputError(f"deadline_s must be a positive number of seconds, not {deadline_s!r}")
+    if question is not None and not question.strip():
+        raise InputError("the question is empty")
     reader = open_reader(store, endpoint_url=endpoint_url, edges=edges, edge_token=edge_token)
 
     # Every manifest first: a mismatch is refused before anything is loaded.

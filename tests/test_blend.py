@@ -14,7 +14,7 @@ from kvcdn import sdk
 from kvcdn.blend import check_positions, position_error, rope_frequencies
 from kvcdn.catalog import pointer_bytes, read_manifest
 from kvcdn.cli.main import cli
-from kvcdn.errors import BlendUnsupported, FingerprintMismatch
+from kvcdn.errors import BlendUnsupported, FingerprintMismatch, InputError
 from kvcdn.kernels.rope import rotate_keys
 from kvcdn.manifest import latest_key, manifest_key
 from kvcdn.models import LoadedModel, crop_cache
@@ -222,3 +222,5 @@ def test_a_blend_chosen_for_the_question(model, store):
         list(PAGES), model=model, store=store, recompute_ratio=1.0, question=QUESTION
     )
     assert full.blend.query == 0 and full.cache.get_seq_length() == len(full.token_ids)
+    with pytest.raises(InputError, match="question is empty"):
+        sdk.load_contexts(list(PAGES), model=model, store=store, question="  ")
