@@ -48,6 +48,10 @@ class NotFound(StoreError):
     """A document, version or object does not exist in the store."""
 
 
+class AccessDenied(StoreError):
+    """A store or edge refused the credentials or token given (or needs one)."""
+
+
 class ConcurrentPublish(StoreError):
     """Another publisher wrote the same version first."""
 
@@ -64,3 +68,21 @@ class OldSchema(FormatError):
 
 class IntegrityError(FormatError):
     """An object's bytes do not match their checksum."""
+
+
+class TrustError(KvcdnError):
+    """Something is not signed by a key the reader trusts, or its signature is broken."""
+
+    exit_code = 6
+
+
+class RollbackError(TrustError):
+    """The store offers an older version than one this reader has already seen."""
+
+
+class ArgumentError(InputError, TypeError):
+    """A library function was called with an argument of the wrong type or value.
+
+    A :class:`TypeError` for Python callers, and a kvcdn error the CLI reports
+    in one line; the message names the argument.
+    """

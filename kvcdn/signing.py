@@ -1,0 +1,418 @@
+"""Publisher keys, signed envelopes and the readers' trust policy.
+
+A publisher signs what readers must be able to trust: each manifest (which
+names every object's sha256, the codec profile's sha256, the tokens and the
+source's digest) and each ``latest.json`` pointer. Signatures are ed25519
+(through the ``cryptography`` library) inside a DSSE envelope, the signing
+envelope of in-toto and Sigstore (``docs/trust.md``)::
+
+    {"payloadType": "application/vnd.kvcdn.manifest+json",
+     "payload": base64(the manifest's JSON bytes),
+     "signatures": [{"keyid": "ed25519:<base64 public key>", "sig": base64(sig)}]}
+
+The signature covers DSSE's pre-authentication encoding of the type and the
+payload, so a signed pointer can never pass for a signed manifest. A reader
+with a :class:`TrustPolicy` accepts a document only when one of its
+signatures verifies under a trusted key; a reader without one still checks
+that any signature present verifies under the key it names (integrity, not
+authenticity) and reads unsigned documents as before.
+
+Public keys are written ``ed25519:<base64 of the 32 raw bytes>``; a key's id
+is the first 16 hex digits of the sha256 of those bytes. A trust file holds
+one key per line, optionally followed by a comment (its name), like SSH's
+``authorized_keys``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import FormatError, InputError, IntegrityError, RollbackError, TrustError
+from .jsonfmt import loads
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "ed25519:"
+MANIFEST_TYPE = "application/vnd.kvcdn.manifest+json"
+POINTER_TYPE = "application/vnd.kvcdn.pointer+json"
+PROFILE_POINTER_TYPE = "application/vnd.kvcdn.profile-pointer+json"
+MAX_SIGNATURES = 16
+MAX_TRUST_FILE_BYTES = 1 << 20
+
+
+# ---- keys ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublicKey:
+    raw: bytes
+    comment: str = ""
+
+    @property
+    def text(self) -> str:
+        return KEY_PREFIX + base64.b64encode(self.raw).decode()
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha256(self.raw).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return f"{self.id} ({self.comment})" if self.comment else self.id
+
+    def verifies(self, signature: bytes, message: bytes) -> bool:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        try:
+            Ed25519PublicKey.from_public_bytes(self.raw).verify(signature, message)
+        except InvalidSignature:
+            return False
+        return True
+
+
+def parse_public_key(text: str, comment: str = "") -> PublicKey:
+    """``ed25519:<base64>`` -> a :class:`PublicKey`; :class:`FormatError` otherwise."""
+    if not isinstance(text, str) or not text.startswith(KEY_PREFIX):
+        raise FormatError(f"{str(text)[:80]!r} is not an ed25519 public key (ed25519:<base64>)")
+    try:
+        raw = base64.b64decode(text[len(KEY_PREFIX) :], validate=True)
+    except (binascii.Error, ValueError):
+        raise FormatError(f"{text[:80]!r} is not valid base64") from None
+    if len(raw) != 32:
+        raise FormatError(f"{text[:80]!r} is not a 32-byte ed25519 public key")
+    return PublicKey(raw, comment)
+
+
+class SigningKey:
+    """A publisher's private key."""
+
+    def __init__(self, private: Any, comment: str = "") -> None:
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+        self._private = private
+        raw = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self.public = PublicKey(raw, comment)
+
+    @classmethod
+    def generate(cls, comment: str = "") -> SigningKey:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        return cls(Ed25519PrivateKey.generate(), comment)
+
+    @classmethod
+    def load(cls, path: str | Path, password: bytes | None = None) -> SigningKey:
+        """Read a PEM (PKCS#8) ed25519 private key, as :meth:`save` writes it."""
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise InputError(f"cannot read the signing key {path}: {exc.strerror}") from None
+        try:
+            private = load_pem_private_key(data, password=password)
+        except TypeError:
+            raise InputError(
+                f"{path} is encrypted: give its passphrase (KVCDN_SIGN_KEY_PASSPHRASE)"
+                if password is None
+                else f"{path} is not encrypted: give no passphrase"
+            ) from None
+        except ValueError:
+            raise InputError(
+                f"{path} is not a PEM private key (or the passphrase is wrong)"
+            ) from None
+        if not isinstance(private, Ed25519PrivateKey):
+            raise InputError(f"{path} is not an ed25519 key (kvcdn signs with ed25519)")
+        return cls(private, path.stem)
+
+    def save(self, path: str | Path) -> None:
+        """Write the key (PEM, PKCS#8, readable by its owner only) and ``path.pub``.
+
+        Refuses to overwrite either file: a lost key cannot be recovered.
+        """
+        from cryptography.hazmat.primitives.serialization import (
+            Encoding,
+            NoEncryption,
+            PrivateFormat,
+        )
+
+        path = Path(path)
+        pub = path.with_name(path.name + ".pub")
+        pem = self._private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
+        line = f"{self.public.text} {self.public.comment or path.stem}\n".encode()
+        for target, data, mode in ((path, pem, 0o600), (pub, line, 0o644)):
+            try:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            except FileExistsError:
+                raise InputError(
+                    f"{target} already exists; kvcdn does not overwrite keys"
+                ) from None
+            except OSError as exc:
+                raise InputError(f"cannot write {target}: {exc.strerror}") from None
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+
+    def sign(self, message: bytes) -> bytes:
+        return self._private.sign(message)
+
+
+def read_public_keys(path: str | Path) -> list[PublicKey]:
+    """The keys of a trust file (or of one ``.pub`` file): ``ed25519:<base64> [comment]``
+    per line; blank lines and lines starting with ``#`` are skipped."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_TRUST_FILE_BYTES:
+            raise InputError(f"{path} is larger than a trust file can be")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or "not UTF-8 text"
+        raise InputError(f"cannot read the trust file {path}: {reason}") from None
+    keys: list[PublicKey] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key_text, _, comment = line.partition(" ")
+        try:
+            keys.append(parse_public_key(key_text, comment.strip()))
+        except FormatError as exc:
+            raise InputError(f"{path}, line {number}: {exc}") from None
+    if not keys:
+        raise InputError(f"the trust file {path} names no key")
+    return keys
+
+
+# ---- envelopes ---------------------------------------------------------------------
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE's pre-authentication encoding: what a signature covers."""
+    kind = payload_type.encode()
+    return b"DSSEv1 %d %b %d %b" % (len(kind), kind, len(payload), payload)
+
+
+def seal(payload: bytes, payload_type: str, keys: Iterable[SigningKey]) -> bytes:
+    """``payload`` in a DSSE envelope signed by every key in ``keys``."""
+    message = pae(payload_type, payload)
+    signatures = [
+        {"keyid": key.public.text, "sig": base64.b64encode(key.sign(message)).decode()}
+        for key in keys
+    ]
+    if not signatures:
+        raise ValueError("sealing needs at least one key")
+    envelope = {
+        "payloadType": payload_type,
+        "payload": base64.b64encode(payload).decode(),
+        "signatures": signatures,
+    }
+    return json.dumps(envelope, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class Signer:
+    """Who signed a document: the key, and whether the reader trusts it."""
+
+    key: PublicKey
+    trusted: bool
+
+    def describe(self) -> str:
+        return f"{self.key.describe()}{'' if self.trusted else ', not in the trust file'}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key_id": self.key.id,
+            "public_key": self.key.text,
+            "name": self.key.comment,
+            "trusted": self.trusted,
+        }
+
+
+def is_envelope(raw: Any) -> bool:
+    return isinstance(raw, dict) and "payloadType" in raw
+
+
+def open_document(
+    data: bytes,
+    payload_type: str,
+    *,
+    what: str,
+    trust: TrustPolicy | None,
+    max_bytes: int,
+) -> tuple[Any, Signer | None]:
+    """The JSON document in ``data`` (signed or plain) and who signed it.
+
+    With ``trust``, only an envelope of ``payload_type`` with a valid signature
+    by a trusted key is accepted (:class:`TrustError` otherwise). Without,
+    plain JSON is accepted as is, and an envelope's signatures must verify
+    under the keys they name (:class:`IntegrityError` otherwise).
+    """
+    raw = loads(data, what=what, max_bytes=max_bytes)
+    if not is_envelope(raw):
+        if trust is not None:
+            raise TrustError(
+                f"{what} is not signed; this reader accepts only documents signed by "
+                f"{trust.describe()}"
+            )
+        return raw, None
+    kind, payload, signatures = _parse_envelope(raw, what)
+    if kind != payload_type:
+        raise FormatError(f"{what} is a signed {kind!r}, not a {payload_type!r}")
+    message = pae(kind, payload)
+    if trust is not None:
+        signer = trust.signer_of(signatures, message)
+        if signer is None:
+            raise TrustError(
+                f"{what} is not signed by a trusted key (signed by "
+                f"{', '.join(k.id for k, _ in signatures) or 'no key'}; trusted: "
+                f"{trust.describe()})"
+            )
+    else:
+        valid = [k for k, sig in signatures if k.verifies(sig, message)]
+        if not valid:
+            raise IntegrityError(f"{what}: its signature does not verify (altered after signing)")
+        signer = Signer(valid[0], trusted=False)
+    return loads(payload, what=what, max_bytes=max_bytes), signer
+
+
+def _parse_envelope(raw: dict[str, Any], what: str) -> tuple[str, bytes, list]:
+    kind, payload, sigs = raw.get("payloadType"), raw.get("payload"), raw.get("signatures")
+    if set(raw) != {"payloadType", "payload", "signatures"}:
+        raise FormatError(f"{what} is not a DSSE envelope (fields {sorted(raw)[:8]})")
+    if not isinstance(kind, str) or not isinstance(payload, str) or not isinstance(sigs, list):
+        raise FormatError(f"{what} is a malformed DSSE envelope")
+    if not 1 <= len(sigs) <= MAX_SIGNATURES:
+        raise FormatError(f"{what} has {len(sigs)} signatures (1 to {MAX_SIGNATURES} allowed)")
+    try:
+        body = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise FormatError(f"{what}: its payload is not valid base64") from None
+    signatures = []
+    for entry in sigs:
+        if not isinstance(entry, dict) or not isinstance(entry.get("sig"), str):
+            raise FormatError(f"{what} has a malformed signature entry")
+        try:
+            key = parse_public_key(entry.get("keyid", ""))
+            sig = base64.b64decode(entry["sig"], validate=True)
+        except FormatError as exc:
+            raise FormatError(f"{what}: {exc}") from None
+        except (binascii.Error, ValueError):
+            raise FormatError(f"{what}: a signature is not valid base64") from None
+        if len(sig) != 64:
+            raise FormatError(f"{what}: a signature is {len(sig)} bytes, not 64")
+        signatures.append((key, sig))
+    return kind, body, signatures
+
+
+# ---- the readers' trust ---------------------------------------------------------------
+
+
+class TrustPolicy:
+    """The publisher keys a reader accepts, and the newest version it has seen of each
+    document (so that it never goes back to an older one: rollback protection).
+
+    The seen versions live in memory, and in ``state_path`` (a small JSON file)
+    when one is given, so that they outlast the process. They are kept per
+    ``scope``, the store the document was read from.
+    """
+
+    def __init__(
+        self,
+        keys: Iterable[PublicKey],
+        *,
+        state_path: str | Path | None = None,
+        source: str = "",
+    ) -> None:
+        self.keys = {k.raw: k for k in keys}
+        if not self.keys:
+            raise InputError("a trust policy needs at least one key")
+        self.source = source  # where the keys came from, for messages
+        self.state_path = Path(state_path) if state_path else None
+        self._seen: dict[str, dict[str, int]] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, state_path: str | Path | None = None) -> TrustPolicy:
+        return cls(read_public_keys(path), state_path=state_path, source=str(path))
+
+    def describe(self) -> str:
+        names = ", ".join(k.describe() for k in self.keys.values())
+        return f"{names}{f' from {self.source}' if self.source else ''}"
+
+    def with_keys(self, extra: Iterable[PublicKey]) -> TrustPolicy:
+        """The same policy (sharing its seen versions) trusting ``extra`` as well."""
+        other = TrustPolicy([*self.keys.values(), *extra], source=self.source)
+        other.state_path, other._seen = self.state_path, self._seen
+        return other
+
+    def signer_of(self, signatures: list[tuple[PublicKey, bytes]], message: bytes) -> Signer | None:
+        for key, sig in signatures:
+            trusted = self.keys.get(key.raw)
+            if trusted is not None and trusted.verifies(sig, message):
+                return Signer(trusted, trusted=True)
+        return None
+
+    # ---- rollback -----------------------------------------------------------------
+    def newest_seen(self, scope: str, name: str) -> int:
+        self._load_state()
+        return self._seen.get(scope, {}).get(name, 0)
+
+    def saw(self, scope: str, name: str, version: int) -> None:
+        """Record that ``name@version`` was read from ``scope`` and verified."""
+        if version <= self.newest_seen(scope, name):
+            return
+        self._seen.setdefault(scope, {})[name] = version
+        self._save_state(scope, name, version)
+
+    def check_not_older(self, scope: str, name: str, version: int) -> None:
+        seen = self.newest_seen(scope, name)
+        if version < seen:
+            raise RollbackError(
+                f"{scope} offers {name}@{version} as the latest version, but this reader has "
+                f"already seen {name}@{seen}: the store was rolled back or is replaying an old "
+                "pointer"
+            )
+
+    def _load_state(self) -> None:
+        if self.state_path is None or not self.state_path.is_file():
+            return
+        try:
+            raw = loads(self.state_path.read_bytes(), what=str(self.state_path), max_bytes=64 << 20)
+        except (OSError, FormatError) as exc:
+            log.warning("ignoring unreadable rollback state %s: %s", self.state_path, exc)
+            return
+        if not isinstance(raw, dict):
+            return
+        for scope, names in raw.items():
+            if not isinstance(names, dict):
+                continue
+            mine = self._seen.setdefault(scope, {})
+            for name, version in names.items():
+                if type(version) is int and version > mine.get(name, 0):
+                    mine[name] = version
+
+    def _save_state(self, scope: str, name: str, version: int) -> None:
+        """Merge one record into the state file, under a lock (other processes write too)."""
+        if self.state_path is None:
+            return
+        try:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.state_path.with_name(self.state_path.name + ".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._load_state()
+                mine = self._seen.setdefault(scope, {})
+                mine[name] = max(mine.get(name, 0), version)
+                tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
+                tmp.write_text(json.dumps(self._seen, sort_keys=True))
+                os.replace(tmp, self.state_path)
+        except OSError as exc:  # the check still holds for this process
+            log.warning("cannot record seen versions in %s: %s", self.state_path, exc)
