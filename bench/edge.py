@@ -369,14 +369,18 @@ def _bench_server(
 
 
 def _make_objects(n: int, size: int) -> dict[str, bytes]:
+    from kvcdn.codec import FIXED_LEVELS
     from kvcdn.container import ChunkHeader, pack
+    from kvcdn.keys import object_key
 
+    level = FIXED_LEVELS["fp16"]
     objects = {}
     for i in range(n):
         h = hashlib.sha256(f"kvcdn-edge-bench-{i}".encode()).hexdigest()
         header = ChunkHeader("fp16", "fp16", {}, (1, 2, 8, 256, 128), h)  # 1 MiB of fp16 KV
         payload = os.urandom(size - len(pack(header, b"")))
-        objects[f"objects/{h[:2]}/{h}/fp16.kvc"] = pack(header, payload)
+        data = pack(header, payload)
+        objects[object_key(h, level.id, hashlib.sha256(data).hexdigest())] = data
     return objects
 
 

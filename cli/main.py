@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -25,6 +25,9 @@ from rich.table import Table
 
 from kvcdn.errors import KvcdnError
 from kvcdn.store import Reader, Store
+
+if TYPE_CHECKING:
+    from kvcdn.signing import Signer, SigningKey, TrustPolicy
 
 out = Console()
 err = Console(stderr=True)
@@ -56,10 +59,21 @@ store_option = click.option(
     help="Where KV lives: a folder, s3://bucket/prefix or memory://. "
     "[env KVCDN_STORE; default ~/.cache/kvcdn/store]",
 )
+
+
 endpoint_option = click.option(
     "--endpoint-url",
     envvar="AWS_ENDPOINT_URL",
     help="S3-compatible endpoint (MinIO, Ceph RGW, R2, moto...). [env AWS_ENDPOINT_URL]",
+)
+trust_option = click.option(
+    "--trust",
+    "trust_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="KVCDN_TRUST",
+    help="Trust file: accept only documents signed by these publisher keys (one "
+    "'ed25519:... name' line each; see `kvcdn keys`), and never an older latest version "
+    "than one seen before. [env KVCDN_TRUST]",
 )
 model_option = click.option(
     "--model",
@@ -72,10 +86,33 @@ device_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 
 
-def _open(store: str | None, endpoint_url: str | None) -> Store:
-    from kvcdn.store import open_store
+def _open(store: str | None, endpoint_url: str | None, *, create: bool = False) -> Store:
+    """The store to read (``create=False``: a folder that does not exist is an error)
+    or to publish to (``create=True``)."""
+    from kvcdn.store import check_endpoint_url, open_store
 
-    return open_store(store, endpoint_url=endpoint_url)
+    return open_store(store, endpoint_url=check_endpoint_url(endpoint_url), create=create)
+
+
+def _trust(path: Path | None) -> TrustPolicy | None:
+    """The trust policy of a trust file; the versions it has seen are kept between runs
+    in ``$XDG_STATE_HOME/kvcdn/seen-versions.json``."""
+    import os
+
+    from kvcdn.signing import TrustPolicy
+
+    if path is None:
+        return None
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return TrustPolicy.from_file(path, state_path=state / "kvcdn" / "seen-versions.json")
+
+
+def _signer_text(signer: Signer | None, trust: TrustPolicy | None) -> str:
+    if signer is None:
+        return "unsigned"
+    if signer.trusted:
+        return f"signed by {signer.key.describe()}, trusted"
+    return f"signed by {signer.key.describe()}, not checked against a trust file"
 
 
 @click.group(cls=KvcdnGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -122,6 +159,16 @@ def cli(verbose: int) -> None:
     help="Tokens per chunk (the unit of fetching and sharing).",
 )
 @click.option("--name", help="Document name (one PATH only). [default: the file name's stem]")
+@click.option(
+    "--sign-key",
+    "sign_key_files",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="KVCDN_SIGN_KEY",
+    help="Sign the manifests and pointers with this private key (`kvcdn keys new`); repeat "
+    "to sign with two keys while rotating. [env KVCDN_SIGN_KEY]",
+)
+@trust_option
 @device_option
 @json_option
 def publish(
@@ -132,6 +179,8 @@ def publish(
     levels: str,
     chunk_tokens: int,
     name: str | None,
+    sign_key_files: tuple[Path, ...],
+    trust_file: Path | None,
     device: str | None,
     as_json: bool,
 ) -> None:
@@ -145,18 +194,27 @@ def publish(
     The ladder levels need the model's codec profile: the first publish for a
     model calibrates it (about two minutes for smollm2-135m on 2 CPUs) unless
     the store or this machine already has one; see `kvcdn calibrate`.
+
+    With --sign-key, readers that trust the key (--trust) can check that the
+    KV they load is exactly what was published; see `kvcdn keys`.
+
+    \b
+      kvcdn publish manual.md
+      kvcdn publish *.md --store s3://bucket/kv --sign-key ~/.config/kvcdn/publisher.key
     """
     from kvcdn.codec import check_level_names
     from kvcdn.models import load_model
+    from kvcdn.publish import document_and_name
     from kvcdn.publish import publish as do_publish
-    from kvcdn.publish import read_document
 
     if name and len(paths) > 1:
         raise click.UsageError("--name works with one document only")
-    for path in paths:  # bad input fails before the model spends seconds loading
-        read_document(path)
+    for path in paths:  # bad input and names fail before the model spends seconds loading
+        document_and_name(path, None, name)
     check_level_names(levels)  # unknown level names fail here, before the model loads
-    target = _open(store, endpoint_url)
+    sign_keys = _signing_keys(sign_key_files)
+    trust = _trust(trust_file)
+    target = _open(store, endpoint_url, create=True)
     with err.status("loading model…"):
         loaded = load_model(model, device)
     results = []
@@ -171,20 +229,36 @@ def publish(
                     levels=levels,
                     chunk_tokens=chunk_tokens,
                     progress=_progress_callback(progress, path.name),
+                    sign_keys=sign_keys,
+                    trust=trust,
                 )
             )
         r = results[-1]
         if not as_json:
+            signed = f", signed by {', '.join(r.signed_by)}" if r.signed_by else ""
             if r.unchanged:
-                out.print(f"[green]✓[/] {r.name}@{r.version} unchanged ({r.token_count} tokens)")
+                out.print(
+                    f"[green]✓[/] {escape(r.name)}@{r.version} unchanged ({r.token_count} "
+                    f"tokens{signed})"
+                )
             else:
                 out.print(
-                    f"[green]✓[/] {r.name}@{r.version}: {r.token_count} tokens, {r.chunks} chunks, "
-                    f"{r.uploaded_objects} objects uploaded ({_mb(r.uploaded_bytes)}), "
-                    f"{r.reused_objects} reused, {r.seconds['total']:.1f} s"
+                    f"[green]✓[/] {escape(r.name)}@{r.version}: {r.token_count} tokens, "
+                    f"{r.chunks} chunks, {r.uploaded_objects} objects uploaded "
+                    f"({_mb(r.uploaded_bytes)}), {r.reused_objects} reused, "
+                    f"{r.seconds['total']:.1f} s{signed}"
                 )
     if as_json:
         _emit_json([r.__dict__ for r in results])
+
+
+def _signing_keys(paths: tuple[Path, ...]) -> list[SigningKey]:
+    import os
+
+    from kvcdn.signing import SigningKey
+
+    passphrase = os.environ.get("KVCDN_SIGN_KEY_PASSPHRASE")
+    return [SigningKey.load(p, passphrase.encode() if passphrase else None) for p in paths]
 
 
 def _progress(enabled: bool) -> Progress:
@@ -220,8 +294,19 @@ def _progress_callback(progress: Progress, label: str) -> Callable[[str, int, in
 def ls(store: str | None, endpoint_url: str | None, as_json: bool) -> None:
     """List the documents in the store and their versions."""
     from kvcdn.catalog import list_documents
+    from kvcdn.errors import NotFound
 
-    target = _open(store, endpoint_url)
+    try:
+        target = _open(store, endpoint_url)
+    except NotFound as exc:
+        if (store or "").startswith(("s3://", "s3a://")):
+            raise
+        # a folder that was never published to holds nothing
+        if as_json:
+            _emit_json([])
+        else:
+            out.print(f"no documents: {escape(str(exc))}")
+        return
     docs = list_documents(target)
     if as_json:
         _emit_json([{"name": d.name, "versions": d.versions, "latest": d.latest} for d in docs])
@@ -242,21 +327,26 @@ def ls(store: str | None, endpoint_url: str | None, as_json: bool) -> None:
 @click.argument("ref", metavar="NAME[@VERSION]")
 @store_option
 @endpoint_option
+@trust_option
 @json_option
-def inspect(ref: str, store: str | None, endpoint_url: str | None, as_json: bool) -> None:
-    """Show a document version: model, levels, sizes, bits per element, chunks."""
+def inspect(
+    ref: str, store: str | None, endpoint_url: str | None, trust_file: Path | None, as_json: bool
+) -> None:
+    """Show a document version: signer, model, levels, sizes, bits per element, chunks."""
     from kvcdn.catalog import parse_ref, read_manifest
 
     name, version = parse_ref(ref)
-    m = read_manifest(_open(store, endpoint_url), name, version)
+    trust = _trust(trust_file)
+    m = read_manifest(_open(store, endpoint_url), name, version, trust=trust)
     if as_json:
-        _emit_json(m.to_json())
+        _emit_json({**m.to_json(), "signed_by": m.signer.to_json() if m.signer else None})
         return
     out.print(
-        f"[bold]{m.name}@{m.version}[/]  model {m.model_name} ({m.model_fingerprint[:12]})  "
-        f"{m.token_count} tokens in {len(m.chunks)} chunks of {m.chunk_tokens}  "
-        f"published {m.created_at}"
+        f"[bold]{escape(m.name)}@{m.version}[/]  model {escape(m.model_name)} "
+        f"({m.model_fingerprint[:12]})  {m.token_count} tokens in {len(m.chunks)} chunks of "
+        f"{m.chunk_tokens}  published {m.created_at}"
     )
+    out.print(escape(_signer_text(m.signer, trust)))
     layout = m.kv_layout
     out.print(
         f"KV layout: {layout['layers']} layers × {layout['kv_heads']} KV heads × "
@@ -331,7 +421,7 @@ def calibrate(
     from kvcdn.publish import read_document
 
     texts = {p.stem: read_document(p) for p in docs} or None
-    target = _open(store, endpoint_url)
+    target = _open(store, endpoint_url, create=True)
     with err.status("loading model…"):
         loaded = load_model(model, device)
     with _progress(not as_json) as progress:
@@ -358,6 +448,62 @@ def calibrate(
             f"{q['top1_agree']:.1%}",
         )
     out.print(table)
+
+
+# ---- keys -----------------------------------------------------------------------
+
+
+@cli.group()
+def keys() -> None:
+    """Publisher keys: sign what you publish, so readers load only what you signed.
+
+    \b
+      kvcdn keys new ~/.config/kvcdn/publisher.key     # also writes publisher.key.pub
+      kvcdn publish manual.md --sign-key ~/.config/kvcdn/publisher.key
+      cat publisher.key.pub >> trusted.pub              # on each reader and edge
+      kvcdn ask manual "How do I ...?" --trust trusted.pub
+
+    A trust file holds one public key per line ('ed25519:<base64> name'). To
+    rotate a key, publish with both keys (--sign-key old --sign-key new), add
+    the new one to every trust file, then drop the old one: docs/trust.md.
+    """
+
+
+@keys.command("new")
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--name", "comment", help="A name for the key in trust files. [default: PATH's stem]")
+@json_option
+def keys_new(path: Path, comment: str | None, as_json: bool) -> None:
+    """Make an ed25519 key pair: PATH (private, readable by you only) and PATH.pub."""
+    from kvcdn.signing import SigningKey
+
+    key = SigningKey.generate(comment or path.stem)
+    key.save(path)
+    if as_json:
+        _emit_json({"private_key": str(path), "public_key": key.public.text, "id": key.public.id})
+        return
+    out.print(f"[green]✓[/] private key {escape(str(path))} (keep it secret)")
+    out.print(f"public key {escape(str(path))}.pub, id {key.public.id}:")
+    out.print(f"{key.public.text} {escape(key.public.comment)}", highlight=False, soft_wrap=True)
+
+
+@keys.command("show")
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
+@json_option
+def keys_show(path: Path, as_json: bool) -> None:
+    """Print the public key(s) of a private key, a .pub file or a trust file."""
+    from kvcdn.errors import InputError
+    from kvcdn.signing import SigningKey, read_public_keys
+
+    try:
+        public = [SigningKey.load(path).public]
+    except InputError:
+        public = read_public_keys(path)
+    if as_json:
+        _emit_json([{"id": k.id, "public_key": k.text, "name": k.comment} for k in public])
+        return
+    for k in public:
+        out.print(f"{k.text} {escape(k.comment)}  [dim]id {k.id}[/]", highlight=False)
 
 
 # ---- edge -----------------------------------------------------------------------
@@ -458,6 +604,22 @@ def _read_token(path: Path | None) -> str | None:
     type=click.IntRange(1, 256),
     help="Origin fetches that warm jobs may run at once.",
 )
+@trust_option
+@click.option(
+    "--s3-keys",
+    "s3_keys_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File of 'ACCESS_KEY_ID SECRET_ACCESS_KEY' lines: S3 clients must sign their "
+    "requests with one of these keys (AWS Signature V4).",
+)
+@click.option(
+    "--max-stale",
+    default=86400.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="While the origin is down, serve pointers up to this old (with a Warning header).",
+)
 @endpoint_option
 def edge_serve(
     origin: str,
@@ -474,33 +636,43 @@ def edge_serve(
     throttle_scale: float,
     throttle_offset: float,
     warm_concurrency: int,
+    trust_file: Path | None,
+    s3_keys_file: Path | None,
+    max_stale: float,
     endpoint_url: str | None,
 ) -> None:
     """Serve store objects over HTTP with a read-through disk cache.
 
     GET/HEAD /{key} with byte ranges, ETags and conditional requests; chunk
     objects, profiles and manifest versions are immutable, pointers are
-    revalidated. Concurrent misses share one origin fetch; everything is
-    verified against its key before it is cached and when served from disk.
+    revalidated, and served stale while the origin is down. Concurrent misses
+    share one origin fetch; everything is verified against its key before it
+    is cached and when served from disk. With --trust, manifests must be
+    signed by a trusted key and are then cached for good; without, they are
+    revalidated like pointers, since the edge cannot tell a forged one.
 
     S3 clients (boto3, s3fs, aws s3) read the same objects through
     GET/HEAD /{bucket}/{key} and ListObjectsV2 with --endpoint-url set to the
-    edge. POST /warm {"keys": [...]} prefetches in the background (see
-    `kvcdn warm`). /metrics (Prometheus) and /healthz are always open.
+    edge; with --s3-keys they must sign with one of its keys. POST /warm
+    {"keys": [...]} prefetches in the background (see `kvcdn warm`).
+    /metrics (Prometheus) and /healthz are always open.
 
     \b
       kvcdn edge serve --origin s3://kv/prod --cache-dir /var/cache/kvcdn --max-bytes 200G
       kvcdn edge serve --origin s3://kv/prod --parent http://regional-edge:8080 ...
+      kvcdn edge serve --origin s3://kv/prod --trust publishers.pub --s3-keys clients.keys ...
     """
     import os
 
     from kvcdn.edge.cache import DiskCache
     from kvcdn.edge.origin import open_origin
     from kvcdn.edge.s3api import BucketView
+    from kvcdn.edge.s3auth import S3Keys
     from kvcdn.edge.server import Edge, run
+    from kvcdn.signing import TrustPolicy
 
     host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
     if bucket is not None and (bucket in _EDGE_ROUTES or not _BUCKET.match(bucket)):
         raise click.BadParameter(
@@ -509,9 +681,13 @@ def edge_serve(
             param_hint="--bucket",
         )
     if endpoint_url:
-        os.environ["AWS_ENDPOINT_URL"] = endpoint_url
+        from kvcdn.store import check_endpoint_url
+
+        os.environ["AWS_ENDPOINT_URL"] = check_endpoint_url(endpoint_url) or ""
     read_token = _read_token(token_file)
-    origins = [open_origin(origin, origin_timeout)]
+    trust = TrustPolicy.from_file(trust_file) if trust_file else None
+    s3_keys = S3Keys.from_file(s3_keys_file) if s3_keys_file else None
+    origins = [open_origin(origin, origin_timeout)]  # refuses an origin that does not exist
     if parent:  # a parent edge of the same network takes the same read token
         origins.insert(0, open_origin(parent, origin_timeout, read_token))
     try:
@@ -526,8 +702,15 @@ def edge_serve(
         view=BucketView.for_origin(origin, bucket),
         warm_concurrency=warm_concurrency,
         shaper=_shaper(rate_limit, throttle_trace, throttle_scale, throttle_offset),
+        trust=trust,
+        s3_keys=s3_keys,
+        max_stale_s=max_stale,
     )
-    err.print(f"kvcdn edge on http://{host}:{port} → {escape(origin)}")
+    checks = [n for n, on in (("signed manifests", trust), ("S3 signatures", s3_keys)) if on]
+    err.print(
+        f"kvcdn edge on http://{host}:{port} → {escape(origin)}"
+        + (f" (verifying {' and '.join(checks)})" if checks else "")
+    )
     run(node, host, int(port))
 
 
@@ -580,6 +763,7 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 @click.option("--no-wait", is_flag=True, help="Start the warm jobs and return.")
 @store_option
 @endpoint_option
+@trust_option
 @json_option
 def warm(
     refs: tuple[str, ...],
@@ -590,6 +774,7 @@ def warm(
     no_wait: bool,
     store: str | None,
     endpoint_url: str | None,
+    trust_file: Path | None,
     as_json: bool,
 ) -> None:
     """Pre-load edge nodes with documents, so first reads are cache hits.
@@ -605,20 +790,26 @@ def warm(
       kvcdn warm sed-manual --edge http://edge-a:8080 --levels default,lowest
     """
     from kvcdn.catalog import parse_ref, read_manifest
+    from kvcdn.errors import AccessDenied
     from kvcdn.sdk.edges import EdgeAdmin, plan_warm
 
+    parsed = [parse_ref(ref) for ref in refs]
     target = _open(store, endpoint_url)
-    manifests = [read_manifest(target, *parse_ref(ref)) for ref in refs]
+    trust = _trust(trust_file)
+    manifests = [read_manifest(target, name, version, trust=trust) for name, version in parsed]
     chosen = [lv.strip() for lv in levels.split(",") if lv.strip()] if levels else None
     plan = plan_warm(manifests, list(edges), chosen, replicas)
     admin = EdgeAdmin(_read_token(admin_token_file))
     jobs: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
+    refused: set[str] = set()
     for assignment in plan:
         try:
             jobs[assignment.edge] = admin.warm(assignment.edge, assignment.keys)
         except KvcdnError as exc:
             failures[assignment.edge] = str(exc)
+            if isinstance(exc, AccessDenied):
+                refused.add(assignment.edge)
     started = time.monotonic()
     if not no_wait and jobs:
         with _progress(not as_json) as progress:
@@ -647,7 +838,11 @@ def warm(
                 "documents": assignment.documents,
                 "objects": len(assignment.keys),
                 "bytes": assignment.bytes,
-                "state": "unreachable" if assignment.edge in failures else job.get("state"),
+                "state": (
+                    ("refused" if assignment.edge in refused else "unreachable")
+                    if assignment.edge in failures
+                    else job.get("state")
+                ),
                 "cached": job.get("cached", 0),
                 "fetched": job.get("fetched", 0),
                 "failed": job.get("failed", 0),
@@ -660,7 +855,7 @@ def warm(
                 "job": job.get("id"),
             }
         )
-    failed = any(r["state"] in ("unreachable", "failed") for r in rows)
+    failed = any(r["state"] in ("unreachable", "refused", "failed") for r in rows)
     if as_json:
         _emit_json({"edges": rows, "seconds": seconds, "ok": not failed})
     else:
@@ -688,7 +883,7 @@ def warm(
         if no_wait:
             out.print("warm jobs started; follow them at EDGE/warm/JOB")
         elif failed:
-            bad = sum(r["state"] in ("unreachable", "failed") for r in rows)
+            bad = sum(r["state"] in ("unreachable", "refused", "failed") for r in rows)
             out.print(f"[red]warming incomplete[/]: {bad} of {len(rows)} edge(s) failed")
         else:
             out.print(
@@ -769,6 +964,7 @@ def warm(
 @model_option
 @store_option
 @endpoint_option
+@trust_option
 @device_option
 @json_option
 def ask(
@@ -786,6 +982,7 @@ def ask(
     model: str | None,
     store: str | None,
     endpoint_url: str | None,
+    trust_file: Path | None,
     device: str | None,
     as_json: bool,
 ) -> None:
@@ -798,6 +995,8 @@ def ask(
     as one prompt. The tokens recomputed are those that matter most to
     QUESTION; --compare then prefills that same prompt.
 
+    With --trust, only KV signed by a trusted publisher key is loaded.
+
     \b
       kvcdn ask sed-manual "How do I edit a file in place?" --compare
       kvcdn ask sed-manual "..." --deadline 0.5 --edge http://edge-a:8080
@@ -807,12 +1006,18 @@ def ask(
     if len(args) < 2:
         raise click.UsageError("give a document and a question (DOC... QUESTION)")
     docs, question = list(args[:-1]), args[-1]
+    _check_asked(docs, question)  # before the model spends seconds loading
+    trust = _trust(trust_file)
     target: Reader
     if edges:
-        from kvcdn.sdk.edges import EdgeStore
+        from kvcdn.sdk.context import open_reader
 
-        origin = _open(store, endpoint_url) if store else None
-        target = EdgeStore(list(edges), origin, token=_read_token(edge_token_file))
+        target = open_reader(
+            _open(store, endpoint_url) if store else None,
+            edges=list(edges),
+            edge_token=_read_token(edge_token_file),
+            trust=trust,
+        )
     else:
         target = _open(store, endpoint_url)
     if several or len(docs) > 1:
@@ -828,6 +1033,7 @@ def ask(
             model=model,
             target=target,
             device=device,
+            trust=trust,
         )
         if as_json:
             _emit_json(result)
@@ -835,12 +1041,25 @@ def ask(
             _print_blended(result)
         return
     result = _ask(
-        docs[0], question, quality, deadline_s, compare, max_new_tokens, model, target, device
-    )
+        docs[0], question, quality, deadline_s, compare, max_new_tokens, model, target, device,
+        trust,
+    )  # fmt: skip
     if as_json:
         _emit_json(result)
     else:
         _print_answers(result)
+
+
+def _check_asked(docs: list[str], question: str) -> None:
+    """Names and the question, checked without the model: mistakes fail at once."""
+    from kvcdn.catalog import parse_ref
+    from kvcdn.errors import InputError
+
+    if not question.strip():
+        raise InputError("the question is empty")
+    for doc in docs:
+        if not Path(doc).is_file():
+            parse_ref(doc)
 
 
 def _ask_blended(
@@ -856,12 +1075,13 @@ def _ask_blended(
     model: str | None,
     target: Reader,
     device: str | None,
+    trust: TrustPolicy | None,
 ) -> dict[str, Any]:
     from kvcdn import sdk
     from kvcdn.sdk.blend import answer_with_prefill_of
 
     with err.status("loading model…"):
-        loaded = _model_for(docs[0], model, target, device)
+        loaded = _model_for(docs[0], model, target, device, trust)
     with err.status(f"loading and blending {len(docs)} documents…"):
         ctx = sdk.load_contexts(
             docs,
@@ -873,11 +1093,13 @@ def _ask_blended(
             deadline_s=deadline_s,
             question=question,
             device=device,
+            trust=trust,
         )
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
     report = ctx.blend
     result: dict[str, Any] = {
         "documents": [f"{m.name}@{m.version}" for m in ctx.manifests],
+        "signed_by": [_signer_text(m.signer, trust) for m in ctx.manifests],
         "question": question,
         "kvcdn": {
             "answer": answer.text,
@@ -897,6 +1119,7 @@ def _ask_blended(
                     "bytes": p.bytes,
                     "ready_s": p.ready_s,
                     "mean_quality": p.mean_quality,
+                    "rejected": p.rejected,
                 }
                 for p in ctx.plans
             ],
@@ -938,15 +1161,21 @@ def _print_blended(result: dict[str, Any]) -> None:
         else "concatenated, nothing recomputed"
     )
     out.print(f"\n[bold cyan]kvcdn ({how})[/] first token after {kv['ttft_s']:.2f} s")
-    for name, load in zip(result["documents"], kv["loads"], strict=True):
+    for name, signed, load in zip(
+        result["documents"], result["signed_by"], kv["loads"], strict=True
+    ):
         levels = ", ".join(f"{n}×{lv}" for lv, n in load["levels"].items())
-        out.print(f"[dim]{escape(name)}: {levels}; {_mb(load['bytes'])}[/]")
+        out.print(f"[dim]{escape(name)}: {levels}; {_mb(load['bytes'])}; {escape(signed)}[/]")
+        _print_rejected(load["rejected"])
     out.print(escape(kv["answer"]))
     _print_prefill(result)
 
 
-def _model_for(doc: str, model: str | None, target: Reader, device: str | None):
-    """The model to answer with: ``model``, else the one ``doc`` was published with.
+def _model_for(
+    doc: str, model: str | None, target: Reader, device: str | None, trust: TrustPolicy | None
+):
+    """The model to answer with: ``model``, else the one ``doc`` was published with
+    (as its manifest says, once verified).
 
     Loaded before the clock starts: model loading is a one-off cost of the
     process, not of answering.
@@ -957,7 +1186,7 @@ def _model_for(doc: str, model: str | None, target: Reader, device: str | None):
     if model or Path(doc).is_file():
         return load_model(model, device)
     name, version = parse_ref(doc)
-    return load_model(read_manifest(target, name, version).model_name, device)
+    return load_model(read_manifest(target, name, version, trust=trust).model_name, device)
 
 
 def _ask(
@@ -970,19 +1199,22 @@ def _ask(
     model: str | None,
     target: Reader,
     device: str | None,
+    trust: TrustPolicy | None = None,
 ) -> dict[str, Any]:
     from kvcdn import sdk
 
     with err.status("loading model…"):
-        loaded = _model_for(doc, model, target, device)
+        loaded = _model_for(doc, model, target, device, trust)
     ctx = sdk.load_context(
-        doc, model=loaded, store=target, quality=quality, deadline_s=deadline_s, device=device
-    )
+        doc, model=loaded, store=target, quality=quality, deadline_s=deadline_s, device=device,
+        trust=trust,
+    )  # fmt: skip
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
     plan = ctx.plan
     result: dict[str, Any] = {
         "document": ctx.name,
         "question": question,
+        "signed_by": _signer_text(ctx.manifest.signer, trust),
         "kvcdn": {
             "answer": answer.text,
             "quality": plan.level,
@@ -996,6 +1228,7 @@ def _ask(
             "ttft_s": plan.ready_s + answer.ttft_s,
             "replans": plan.replans,
             "cancelled_fetches": plan.cancelled,
+            "rejected": plan.rejected,
             "chunks": [c.__dict__ for c in plan.chunks],
         },
     }
@@ -1023,8 +1256,15 @@ def _print_answers(result: dict[str, Any]) -> None:
     if any(source.startswith("http") or source == "origin" for source in kv["sources"]):
         served = ", ".join(f"{escape(s)} ({n} chunks)" for s, n in kv["sources"].items())
         out.print(f"[dim]served by {served}[/]")
+    out.print(f"[dim]{escape(result['signed_by'])}[/]")
+    _print_rejected(kv["rejected"])
     out.print(escape(kv["answer"]))
     _print_prefill(result)
+
+
+def _print_rejected(rejected: list[str]) -> None:
+    for line in rejected:
+        err.print(f"[yellow]warning:[/] {escape(line)} (skipped)", highlight=False)
 
 
 @cli.command()
@@ -1042,7 +1282,7 @@ def demo(store: str | None, endpoint_url: str | None, device: str | None, as_jso
     from kvcdn.models import load_model
     from kvcdn.publish import publish as do_publish
 
-    target = _open(store, endpoint_url)
+    target = _open(store, endpoint_url, create=True)
     source = resources.files("kvcdn.cli") / "data" / "sed-manual.txt"
     with resources.as_file(source) as path:
         with err.status("loading model…"):

@@ -6,13 +6,15 @@ import asyncio
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
+from urllib.parse import quote
 
 import aiohttp
 
 from kvcdn.errors import NotFound
-from kvcdn.store import open_store
+from kvcdn.store import check_endpoint_url, open_store
 
 FETCH_THREADS = 64
+MAX_LISTING_BYTES = 16 << 20  # one page of a parent's listing
 
 
 class OriginMissing(Exception):
@@ -30,7 +32,9 @@ class OriginFailed(Exception):
 class Origin(Protocol):
     url: str
 
-    async def fetch(self, key: str) -> bytes: ...
+    async def fetch(self, key: str, max_bytes: int) -> bytes:
+        """The bytes of ``key``; :class:`OriginFailed` if there are more than ``max_bytes``."""
+        ...
 
     async def list(self, prefix: str) -> dict[str, int]:
         """Keys starting with ``prefix`` and their sizes."""
@@ -45,16 +49,17 @@ class StoreOrigin:
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url
         self.timeout_s = timeout_s
-        self._store = open_store(url)
+        self._store = open_store(url, create=False)  # an edge never makes its origin
         # The store's client blocks; its own pool keeps many fetches in flight
         # (the default executor has only a few threads, shared with hashing).
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="origin")
 
-    async def fetch(self, key: str) -> bytes:
+    async def fetch(self, key: str, max_bytes: int) -> bytes:
         loop = asyncio.get_running_loop()
         try:
             return await asyncio.wait_for(
-                loop.run_in_executor(self._pool, self._store.get, key), self.timeout_s
+                loop.run_in_executor(self._pool, lambda: self._store.get(key, max_bytes=max_bytes)),
+                self.timeout_s,
             )
         except NotFound:
             raise OriginMissing(key) from None
@@ -100,18 +105,33 @@ class HTTPOrigin:
             )
         return self._session
 
-    async def fetch(self, key: str) -> bytes:
+    async def fetch(self, key: str, max_bytes: int) -> bytes:
         try:
-            async with self._client().get(f"{self.url}/{key}") as resp:
+            async with self._client().get(f"{self.url}/{quote(key)}") as resp:
                 if resp.status == 404:
                     raise OriginMissing(key)
                 if resp.status != 200:
                     raise OriginFailed(f"origin {self.url} answered {resp.status} for {key}")
-                return await resp.read()
+                return await self._body(resp, max_bytes, key)
         except asyncio.TimeoutError:
             raise OriginFailed(f"origin {self.url} timed out on {key}", timeout=True) from None
         except aiohttp.ClientError as exc:
             raise OriginFailed(f"origin {self.url} failed on {key}: {exc}") from None
+
+    async def _body(self, resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
+        """A response body, refused past ``max_bytes``: a parent may not exhaust memory."""
+        if (resp.content_length or 0) > max_bytes:
+            raise OriginFailed(
+                f"origin {self.url} announced {resp.content_length} bytes for {what}, more "
+                "than it can be"
+            )
+        pieces, size = [], 0
+        async for piece in resp.content.iter_chunked(1 << 20):
+            size += len(piece)
+            if size > max_bytes:
+                raise OriginFailed(f"origin {self.url} sent more than {max_bytes} bytes for {what}")
+            pieces.append(piece)
+        return b"".join(pieces)
 
     async def list(self, prefix: str) -> dict[str, int]:
         """A parent edge lists store keys at its root (``GET /?list-type=2``)."""
@@ -122,7 +142,7 @@ class HTTPOrigin:
                 async with self._client().get(f"{self.url}/", params=query) as resp:
                     if resp.status != 200:
                         raise OriginFailed(f"origin {self.url} answered {resp.status} to a listing")
-                    root = ET.fromstring(await resp.read())
+                    root = ET.fromstring(await self._body(resp, MAX_LISTING_BYTES, "a listing"))
                 ns = {"s3": root.tag[1 : root.tag.index("}")]} if root.tag.startswith("{") else {}
                 p = "s3:" if ns else ""
                 for item in root.iterfind(f"{p}Contents", ns):
@@ -146,6 +166,7 @@ class HTTPOrigin:
 
 
 def open_origin(url: str, timeout_s: float = 30.0, token: str | None = None) -> Origin:
+    """A parent edge (``http(s)://``), else a store, which must exist."""
     if url.startswith(("http://", "https://")):
-        return HTTPOrigin(url, timeout_s, token)
+        return HTTPOrigin(check_endpoint_url(url) or url, timeout_s, token)
     return StoreOrigin(url, timeout_s)

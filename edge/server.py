@@ -20,11 +20,16 @@ import logging
 import os
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+
+from kvcdn.errors import InputError
+from kvcdn.keys import KeyInfo
+from kvcdn.signing import TrustPolicy
 
 from .cache import DiskCache, Entry, stamp_of
 from .origin import Origin, OriginFailed, OriginMissing
@@ -37,14 +42,25 @@ from .s3api import (
     list_page,
     list_xml,
 )
+from .s3auth import S3Keys
 from .shaping import PIECE, LinkShaper
-from .verify import VerifyError, cache_control, check_key, verify
+from .verify import (
+    Verified,
+    VerifyError,
+    cache_control,
+    check_key,
+    max_bytes,
+    revalidated,
+    verify,
+)
 from .warm import Warmer
 
 log = logging.getLogger(__name__)
 
 POINTER_TTL_S = 5.0  # how long the edge itself reuses a pointer (latest.json, ...)
 LISTING_TTL_S = 5.0  # and a listing of the origin
+MAX_STALE_S = 86400.0  # a pointer is served this stale at most while the origin is down
+MAX_FRESH = 10_000  # revalidated objects held in memory (least recently used dropped)
 MAX_WARM_KEYS = 100_000
 MAX_BODY = 16 << 20  # a warm request with MAX_WARM_KEYS keys fits
 MAX_LINE = 8190
@@ -70,11 +86,18 @@ class Metrics:
     origin_seconds: float = 0.0
     origin_errors: int = 0
     verify_failures: int = 0
+    stale_served: int = 0
+    rollbacks_refused: int = 0
     requests: dict[int, int] = field(default_factory=dict)
 
 
 class Edge:
-    """One edge node: a disk cache, its origins (parent edges first), its tokens."""
+    """One edge node: a disk cache, its origins (parent edges first), its tokens.
+
+    ``trust`` (publisher keys) lets the edge verify signed manifests and keep
+    them for good, and refuse unsigned ones; ``s3_keys`` makes S3 clients
+    authenticate with AWS Signature V4.
+    """
 
     def __init__(
         self,
@@ -86,10 +109,16 @@ class Edge:
         view: BucketView | None = None,
         warm_concurrency: int = 8,
         shaper: LinkShaper | None = None,
+        trust: TrustPolicy | None = None,
+        s3_keys: S3Keys | None = None,
+        max_stale_s: float = MAX_STALE_S,
     ) -> None:
         self.cache = cache
         self.origins = origins
         self.read_token = read_token
+        self.trust = trust
+        self.s3_keys = s3_keys
+        self.max_stale_s = max_stale_s
         # Without an admin token, warming is as open as reading (it fetches
         # nothing a reader could not make the edge fetch).
         self.admin_token = admin_token if admin_token is not None else read_token
@@ -98,9 +127,10 @@ class Edge:
         self.metrics = Metrics()
         self._warm_concurrency = warm_concurrency
         self.warmer: Warmer | None = None  # made on start-up, inside the event loop
-        self._inflight: dict[str, asyncio.Task[tuple[bytes, str]]] = {}
+        self._inflight: dict[str, asyncio.Task[tuple[bytes, Verified]]] = {}
         self._keeping: dict[str, asyncio.Task[None]] = {}  # disk writes after a fill
-        self._pointers: dict[str, tuple[float, bytes, str]] = {}
+        # pointers (and unsigned manifests): when fetched (monotonic), bytes, what they are
+        self._fresh: OrderedDict[str, tuple[float, bytes, Verified]] = OrderedDict()
         self._listings: dict[str, tuple[float, dict[str, int]]] = {}
 
     # ---- the app -------------------------------------------------------------
@@ -167,6 +197,10 @@ class Edge:
             f"kvcdn_edge_evictions_total {self.cache.evictions}",
             "# TYPE kvcdn_edge_verify_failures_total counter",
             f"kvcdn_edge_verify_failures_total {m.verify_failures}",
+            "# TYPE kvcdn_edge_stale_served_total counter",
+            f"kvcdn_edge_stale_served_total {m.stale_served}",
+            "# TYPE kvcdn_edge_rollbacks_refused_total counter",
+            f"kvcdn_edge_rollbacks_refused_total {m.rollbacks_refused}",
             "# TYPE kvcdn_edge_cache_bytes gauge",
             f"kvcdn_edge_cache_bytes {self.cache.bytes}",
             "# TYPE kvcdn_edge_cache_objects gauge",
@@ -183,12 +217,12 @@ class Edge:
     async def serve(self, request: web.Request) -> web.StreamResponse:
         """``/{store key}``, or an S3 path ``/{bucket}[/{key}]``."""
         path = request.match_info["path"]
-        kind = check_key(path)
-        if kind is not None:
+        info = check_key(path)
+        if info is not None:
             self._authorise(request, self.read_token)
-            return await self._respond(request, path, kind, s3=False)
+            return await self._respond(request, path, info, s3=False)
         try:
-            self._authorise(request, self.read_token)
+            self._authorise_s3(request)
             return await self._s3(request, path)
         except S3RequestError as exc:
             return _s3_error(exc.status, exc.code, str(exc), path)
@@ -214,14 +248,19 @@ class Edge:
                 )
             return await self._list(request, self.view)
         key = self.view.store_key(s3_key)
-        kind = check_key(key) if key is not None else None
-        if key is None or kind is None:
+        info = check_key(key) if key is not None else None
+        if key is None or info is None:
             raise S3RequestError(404, "NoSuchKey", f"no kvcdn object {s3_key[:200]}")
-        return await self._respond(request, key, kind, s3=True)
+        return await self._respond(request, key, info, s3=True)
 
     async def root_listing(self, request: web.Request) -> web.StreamResponse:
         """``GET /?list-type=2&prefix=``: store keys, for child edges and tools."""
-        self._authorise(request, self.read_token)
+        try:
+            self._authorise_s3(request)
+        except S3RequestError as exc:
+            return _s3_error(exc.status, exc.code, str(exc), "/")
+        except web.HTTPUnauthorized as exc:
+            return _s3_error(403, "AccessDenied", exc.text or "", "/")
         try:
             return await self._list(request, BucketView(""))
         except S3RequestError as exc:
@@ -258,10 +297,10 @@ class Edge:
         raise S3RequestError(status, ERROR_CODES[status], f"cannot list {prefix!r}: {last}")
 
     async def _respond(
-        self, request: web.Request, key: str, kind: str, *, s3: bool
+        self, request: web.Request, key: str, info: KeyInfo, *, s3: bool
     ) -> web.StreamResponse:
         try:
-            found = await self._object(key, kind)
+            found = await self._object(key, info)
         except FetchError as exc:  # a fresh response per request, even for shared failures
             if s3:
                 return _s3_error(
@@ -269,15 +308,22 @@ class Edge:
                 )
             return web.Response(status=exc.status, text=f"{exc}\n")
         try:
-            return self._answer(request, key, kind, found, s3)
+            return self._answer(request, key, info, found, s3)
         finally:
             found.release()  # _FileBody takes its own handle; anything unsent is closed here
 
     def _answer(
-        self, request: web.Request, key: str, kind: str, found: Found, s3: bool
+        self, request: web.Request, key: str, info: KeyInfo, found: Found, s3: bool
     ) -> web.StreamResponse:
         tag, size = found.etag, found.size
-        headers = {"ETag": tag, "Cache-Control": cache_control(kind), "Accept-Ranges": "bytes"}
+        headers = {
+            "ETag": tag,
+            "Cache-Control": cache_control(info, self.trust),
+            "Accept-Ranges": "bytes",
+        }
+        if found.stale:  # RFC 9111's stale-if-error: the origin is down
+            headers["Warning"] = '110 - "Response is Stale"'
+            headers["Age"] = str(int(found.age_s))
         if_match = request.headers.get("If-Match")
         if if_match is not None and not _matches(if_match, tag):
             if s3:
@@ -382,12 +428,12 @@ class Edge:
 
     async def _ensure(self, key: str) -> tuple[str, int]:
         """Make ``key`` cached: ("cached", 0) if it was, else ("fetched", its size)."""
-        kind = check_key(key)
-        assert kind is not None  # warm requests are checked on arrival
-        if kind != "pointer" and self.cache.lookup(key) is not None:
+        info = check_key(key)
+        assert info is not None  # warm requests are checked on arrival
+        if not revalidated(info, self.trust) and self.cache.lookup(key) is not None:
             return "cached", 0
         try:
-            data, _ = await self._miss(key, kind)
+            data, _ = await self._miss(key, info)
         except FetchError as exc:
             raise RuntimeError(f"{exc} ({exc.status})") from None
         keeping = self._keeping.get(key)
@@ -405,23 +451,75 @@ class Edge:
                 headers={"WWW-Authenticate": 'Bearer realm="kvcdn-edge"'},
             )
 
-    async def _object(self, key: str, kind: str) -> Found:
-        if kind == "pointer":
-            cached = self._pointers.get(key)
-            if cached and time.monotonic() - cached[0] < POINTER_TTL_S:
-                self.metrics.hits += 1
-                return Found(cached[2], len(cached[1]), data=cached[1])
-        else:
-            entry = self.cache.lookup(key)
-            if entry is not None:
-                found = await self._open_cached(entry, kind)
-                if found is not None:
-                    self.metrics.hits += 1
-                    return found
-        data, tag = await self._miss(key, kind)
-        return Found(tag, len(data), data=data)
+    def _authorise_s3(self, request: web.Request) -> None:
+        """S3 requests: AWS Signature V4 when the edge has S3 keys, else the bearer token."""
+        if self.s3_keys is None:
+            self._authorise(request, self.read_token)
+            return
+        self.s3_keys.verify(request.method, request.host, request.raw_path, request.headers)
 
-    async def _open_cached(self, entry: Entry, kind: str) -> Found | None:
+    async def _object(self, key: str, info: KeyInfo) -> Found:
+        if revalidated(info, self.trust):
+            return await self._revalidated(key, info)
+        entry = self.cache.lookup(key)
+        if entry is not None:
+            found = await self._open_cached(entry, info)
+            if found is not None:
+                self.metrics.hits += 1
+                return found
+        data, verified = await self._miss(key, info)
+        return Found(verified.etag, len(data), data=data)
+
+    async def _revalidated(self, key: str, info: KeyInfo) -> Found:
+        """A pointer (or a manifest the edge cannot verify): reused for a few seconds,
+        then fetched again; served stale, with a warning, while the origin is down."""
+        held = self._fresh.get(key)
+        now = time.monotonic()
+        if held is not None and now - held[0] < POINTER_TTL_S:
+            self.metrics.hits += 1
+            self._fresh.move_to_end(key)
+            return Found(held[2].etag, len(held[1]), data=held[1])
+        try:
+            data, verified = await self._miss(key, info)
+        except FetchError as exc:
+            if exc.status == 404:
+                raise
+            stale = await self._stale_copy(key, info)
+            if stale is None:
+                raise
+            self.metrics.stale_served += 1
+            log.warning("origin unavailable: serving %s stale (%.0f s old)", key, stale.age_s)
+            return stale
+        return Found(verified.etag, len(data), data=data)
+
+    async def _stale_copy(self, key: str, info: KeyInfo) -> Found | None:
+        """The last good copy of a revalidated key, if not older than ``max_stale_s``."""
+        held = await self._held(key, info)
+        if held is None or held[0] > self.max_stale_s:
+            return None
+        age, data, verified = held
+        return Found(verified.etag, len(data), data=data, stale=True, age_s=age)
+
+    async def _held(self, key: str, info: KeyInfo) -> tuple[float, bytes, Verified] | None:
+        """The copy of a revalidated key this edge holds, and its age in seconds: in
+        memory, else on disk (kept before a restart; verified again, its age the file's)."""
+        held = self._fresh.get(key)
+        if held is not None:
+            return time.monotonic() - held[0], held[1], held[2]
+        entry = self.cache.lookup(key)
+        if entry is None:
+            return None
+        try:
+            age = time.time() - entry.path.stat().st_mtime
+            data = await asyncio.to_thread(entry.path.read_bytes)
+            verified = await asyncio.to_thread(verify, key, info, data, self.trust)
+        except (OSError, VerifyError) as exc:
+            log.warning("dropping the kept copy of %s: %s", key, exc)
+            self.cache.drop(key)
+            return None
+        return age, data, verified
+
+    async def _open_cached(self, entry: Entry, info: KeyInfo) -> Found | None:
         """The cached bytes of ``entry``: sent from the file (sendfile) while the file
         is as it was when last verified; read and verified again otherwise (the
         first use after a start, or a file someone changed)."""
@@ -435,7 +533,7 @@ class Edge:
             stamp = stamp_of(os.fstat(f.fileno()))
             if stamp == entry.verified:
                 return Found(entry.etag, stamp[1], file=f)
-            data, tag = await asyncio.to_thread(_read_verified, f, entry.key, kind)
+            data, verified = await asyncio.to_thread(_read_verified, f, entry.key, info, self.trust)
             after = stamp_of(os.fstat(f.fileno()))
         except (OSError, VerifyError) as exc:
             f.close()
@@ -444,19 +542,19 @@ class Edge:
             self.cache.drop(entry.key)
             return None
         f.close()
-        entry.etag = tag  # the same, unless the entry was filled by an older edge
+        entry.etag = verified.etag  # the same, unless the entry was filled by an older edge
         if after == stamp:
             entry.verified = stamp
-        return Found(tag, len(data), data=data)
+        return Found(verified.etag, len(data), data=data)
 
-    async def _miss(self, key: str, kind: str) -> tuple[bytes, str]:
+    async def _miss(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
         """Fetch ``key`` once for everyone who asks while the fetch runs."""
         task = self._inflight.get(key)
         if task is None:
             self.metrics.misses += 1
             # The fetch is a task of its own: a client that goes away does not
             # cancel the fetch that other clients are waiting for.
-            task = asyncio.get_running_loop().create_task(self._fill(key, kind))
+            task = asyncio.get_running_loop().create_task(self._fill(key, info))
             task.add_done_callback(_retrieve)
             self._inflight[key] = task
         elif task.done():  # fetched, its disk write still running: served from memory
@@ -465,21 +563,44 @@ class Edge:
             self.metrics.coalesced += 1
         return await asyncio.shield(task)
 
-    async def _fill(self, key: str, kind: str) -> tuple[bytes, str]:
+    async def _fill(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
         try:
-            data, tag = await self._fetch(key, kind)
+            data, verified = await self._fetch(key, info)
         except BaseException:
             del self._inflight[key]
             raise
-        if kind == "pointer":
-            self._pointers[key] = (time.monotonic(), data, tag)
-            del self._inflight[key]
-        else:
-            # Clients are answered now; the disk write follows. Until it is done,
-            # the finished task stays in _inflight and serves later requests.
-            keeping = asyncio.get_running_loop().create_task(self._keep(key, data, tag))
-            self._keeping[key] = keeping
-        return data, tag
+        if revalidated(info, self.trust):
+            data, verified, changed = await self._newer_of(key, info, data, verified)
+            self._fresh[key] = (time.monotonic(), data, verified)
+            self._fresh.move_to_end(key)
+            while len(self._fresh) > MAX_FRESH:
+                self._fresh.popitem(last=False)
+            if not changed:
+                del self._inflight[key]
+                return data, verified
+        # Clients are answered now; the disk write follows. Until it is done,
+        # the finished task stays in _inflight and serves later requests.
+        keeping = asyncio.get_running_loop().create_task(self._keep(key, data, verified.etag))
+        self._keeping[key] = keeping
+        return data, verified
+
+    async def _newer_of(
+        self, key: str, info: KeyInfo, data: bytes, verified: Verified
+    ) -> tuple[bytes, Verified, bool]:
+        """What to hold for a refreshed pointer: the fetched one, unless it is older than
+        the one held (a replayed signed pointer). Also whether the disk copy must change."""
+        held = await self._held(key, info)
+        if held is None:
+            return data, verified, True
+        _, held_data, held_verified = held
+        if self.trust is not None and verified.version < held_verified.version:
+            self.metrics.rollbacks_refused += 1
+            log.error(
+                "the origin offers %s at version %d, older than the %d this edge holds: "
+                "keeping the newer", key, verified.version, held_verified.version,
+            )  # fmt: skip
+            return held_data, held_verified, False
+        return data, verified, verified.etag != held_verified.etag
 
     async def _keep(self, key: str, data: bytes, tag: str) -> None:
         try:
@@ -488,12 +609,12 @@ class Edge:
             self._inflight.pop(key, None)
             self._keeping.pop(key, None)
 
-    async def _fetch(self, key: str, kind: str) -> tuple[bytes, str]:
+    async def _fetch(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
         last: Exception | None = None
         for origin in self.origins:
             start = time.perf_counter()
             try:
-                data = await origin.fetch(key)
+                data = await origin.fetch(key, max_bytes(info))
             except OriginMissing:
                 raise FetchError(404, f"{key} does not exist at the origin") from None
             except OriginFailed as exc:
@@ -504,29 +625,38 @@ class Edge:
                 self.metrics.origin_fetches += 1
                 self.metrics.origin_seconds += time.perf_counter() - start
             try:
-                tag = await asyncio.to_thread(verify, key, kind, data)
+                verified = await asyncio.to_thread(verify, key, info, data, self.trust)
             except VerifyError as exc:
                 self.metrics.verify_failures += 1
                 log.error("origin %s sent bad bytes for %s: %s", origin.url, key, exc)
                 last = OriginFailed(f"{origin.url} sent bytes that fail verification: {exc}")
                 continue
-            return data, tag
+            return data, verified
         assert last is not None
         if isinstance(last, OriginFailed) and last.timeout:
-            raise FetchError(504, f"origin timed out fetching {key}: {last}")
-        raise FetchError(502, f"cannot fetch {key}: {last}")
+            raise FetchError(504, f"origin unavailable (timed out) fetching {key}: {last}")
+        raise FetchError(502, f"origin unavailable: cannot fetch {key}: {last}")
 
 
 class Found:
     """An object to send: its bytes in memory, or an open file of verified bytes."""
 
     def __init__(
-        self, etag: str, size: int, *, data: bytes = b"", file: BinaryIO | None = None
+        self,
+        etag: str,
+        size: int,
+        *,
+        data: bytes = b"",
+        file: BinaryIO | None = None,
+        stale: bool = False,
+        age_s: float = 0.0,
     ) -> None:
         self.etag = etag
         self.size = size
         self.data = data
         self.file = file
+        self.stale = stale  # a revalidated object served while the origin is down
+        self.age_s = age_s
 
     def take_file(self) -> BinaryIO:
         assert self.file is not None
@@ -617,9 +747,11 @@ class _ShapedBody(web.StreamResponse):
                 self._file.close()
 
 
-def _read_verified(f: BinaryIO, key: str, kind: str) -> tuple[bytes, str]:
+def _read_verified(
+    f: BinaryIO, key: str, info: KeyInfo, trust: TrustPolicy | None
+) -> tuple[bytes, Verified]:
     data = f.read()
-    return data, verify(key, kind, data)
+    return data, verify(key, info, data, trust)
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -663,12 +795,16 @@ def _parse_range(spec: str, size: int) -> tuple[int, int] | str | None:
 
 
 def run(edge: Edge, host: str, port: int) -> None:
-    """Serve until interrupted."""
-    web.run_app(
-        edge.app(),
-        host=host,
-        port=port,
-        access_log=None,
-        print=None,
-        handler_args={"max_line_size": MAX_LINE, "max_field_size": MAX_FIELD},
-    )
+    """Serve until interrupted; :class:`InputError` when the address cannot be listened on."""
+    try:
+        web.run_app(
+            edge.app(),
+            host=host,
+            port=port,
+            access_log=None,
+            print=None,
+            handler_args={"max_line_size": MAX_LINE, "max_field_size": MAX_FIELD},
+        )
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise InputError(f"cannot listen on {host}:{port}: {reason}") from None

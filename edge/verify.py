@@ -1,36 +1,41 @@
 """What an edge may serve, how long others may cache it, and how it is verified.
 
-Keys are the store's (``kvcdn.manifest`` defines them). Everything an edge
-caches is checked against what its key promises before it is cached and each
-time it is served from disk, so a flipped bit on the way in or on the edge's
-own disk is never passed on:
+Keys are the store's (:mod:`kvcdn.keys`). Everything an edge caches is checked
+against something an attacker without the publisher's key cannot forge,
+before it is cached and again on its first use from disk, so that neither a
+poisoned origin nor a flipped bit on the edge's own disk is passed on:
 
-* chunk objects (``objects/ab/{chunk hash}/{level}.kvc``): the container's own
-  sha256 trailer, and the header's chunk hash equals the one in the key;
-* codec profiles (``profiles/{fp}/{sha256}.safetensors``): sha256 of the bytes;
-* manifest versions (``docs/{name}/versions/N.json``): a valid manifest of that
-  name and version;
-* pointers (``latest.json``, ``current.json``, ``index/...``): valid JSON.
+* chunk objects and codec profiles: the sha256 in the key (and, for chunk
+  objects, the container's structure and the chunk hash in the key);
+* manifest versions: with trust keys (``edge serve --trust``), a signature by
+  a trusted key over a manifest of that name and version; they are then
+  immutable. Without trust keys the edge cannot tell a forged manifest from a
+  real one, so it keeps manifests only as it keeps pointers: revalidated with
+  the origin every few seconds, never served as immutable;
+* pointers (``latest.json``): a valid pointer to that document, signed by a
+  trusted key when the edge has trust keys; never older than the one the edge
+  already holds (rollback);
+* other pointers (source index entries, profile pointers): valid, readers
+  check what they lead to.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import re
+from dataclasses import dataclass
 
 from kvcdn.container import unpack
-from kvcdn.errors import FormatError
-from kvcdn.manifest import NAME_PATTERN, parse_manifest
-
-MAX_KEY_LENGTH = 1024
-_OBJECT = re.compile(r"^objects/([0-9a-f]{2})/([0-9a-f]{64})/[A-Za-z0-9._-]{1,160}\.kvc$")
-_PROFILE = re.compile(r"^profiles/[0-9a-f]{16}/([0-9a-f]{64})\.safetensors$")
-_VERSION = re.compile(rf"^docs/({NAME_PATTERN})/versions/(\d{{6,}})\.json$")
-_POINTER = re.compile(
-    rf"^(docs/{NAME_PATTERN}/latest\.json|profiles/[0-9a-f]{{16}}/current\.json"
-    r"|index/sources/[0-9a-f]{16}/[0-9a-f]{64}\.json)$"
+from kvcdn.errors import KvcdnError
+from kvcdn.keys import KeyInfo, parse_key
+from kvcdn.manifest import (
+    MAX_MANIFEST_BYTES,
+    MAX_OBJECT_BYTES,
+    MAX_POINTER_BYTES,
+    MAX_PROFILE_BYTES,
+    open_manifest,
+    open_pointer,
 )
+from kvcdn.signing import PROFILE_POINTER_TYPE, TrustPolicy, open_document
 
 IMMUTABLE = "public, max-age=31536000, immutable"
 REVALIDATE = "public, max-age=5, must-revalidate"
@@ -40,52 +45,79 @@ class VerifyError(Exception):
     """Bytes that are not what their key promises."""
 
 
-def check_key(key: str) -> str | None:
-    """The key's kind (object, profile, version, pointer), or None if not servable."""
-    if len(key) > MAX_KEY_LENGTH or "\\" in key or "\0" in key:
+@dataclass(frozen=True)
+class Verified:
+    """What verification established about some bytes."""
+
+    etag: str
+    #: True when the bytes can never change (content-addressed, or signed and versioned).
+    immutable: bool
+    version: int = 0  # of a pointer, for rollback
+
+
+def check_key(key: str) -> KeyInfo | None:
+    """What ``key`` names, or None if it is not a servable kvcdn key."""
+    if "\\" in key or "\0" in key:
         return None
-    for kind, pattern in (
-        ("object", _OBJECT),
-        ("profile", _PROFILE),
-        ("version", _VERSION),
-        ("pointer", _POINTER),
-    ):
-        if pattern.match(key):
-            return kind
-    return None
+    return parse_key(key)
 
 
-def cache_control(kind: str) -> str:
-    """Content-addressed and versioned keys never change; pointers do."""
-    return REVALIDATE if kind == "pointer" else IMMUTABLE
+def max_bytes(info: KeyInfo) -> int:
+    """The most bytes an object of this kind can have: no origin may send more."""
+    return {
+        "object": MAX_OBJECT_BYTES,
+        "profile": MAX_PROFILE_BYTES,
+        "manifest": MAX_MANIFEST_BYTES,
+    }.get(info.kind, MAX_POINTER_BYTES)
 
 
-def verify(key: str, kind: str, data: bytes) -> str:
-    """The ETag of ``data``; :class:`VerifyError` unless it is what ``key`` promises."""
+def revalidated(info: KeyInfo, trust: TrustPolicy | None) -> bool:
+    """Kept a few seconds and refreshed from the origin, rather than kept for good."""
+    return info.mutable or (info.kind == "manifest" and trust is None)
+
+
+def cache_control(info: KeyInfo, trust: TrustPolicy | None) -> str:
+    return REVALIDATE if revalidated(info, trust) else IMMUTABLE
+
+
+def verify(key: str, info: KeyInfo, data: bytes, trust: TrustPolicy | None) -> Verified:
+    """What ``data`` is; :class:`VerifyError` unless it is what ``key`` promises."""
+    if len(data) > max_bytes(info):
+        raise VerifyError(f"{key} is {len(data)} bytes, more than such an object can be")
     try:
-        if kind == "object":
-            header, _ = unpack(data, name=key)
-            m = _OBJECT.match(key)
-            assert m is not None
-            if header.chunk_hash != m.group(2) or m.group(1) != m.group(2)[:2]:
-                raise VerifyError(f"{key} holds chunk {header.chunk_hash[:12]}, not its key's")
-            # unpack checked the container's sha256 trailer: a strong validator
-            # of these bytes, without hashing them a second time
-            return '"' + data[-32:].hex()[:32] + '"'
-        if kind == "profile":
-            m = _PROFILE.match(key)
-            assert m is not None
-            if hashlib.sha256(data).hexdigest() != m.group(1):
+        if info.kind in ("object", "profile"):
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != info.sha256:
                 raise VerifyError(f"{key} does not match the sha256 in its key")
-            return '"' + m.group(1)[:32] + '"'
-        if kind == "version":
-            m = _VERSION.match(key)
-            assert m is not None
-            manifest = parse_manifest(data, name=key)
-            if manifest.name != m.group(1) or manifest.version != int(m.group(2)):
-                raise VerifyError(f"{key} holds another document or version")
-        if kind == "pointer":
-            json.loads(data)
-    except (FormatError, ValueError) as exc:
+            if info.kind == "object":
+                # the whole object's sha256 is stronger than the container's own trailer
+                header, _ = unpack(data, name=key, verify_digest=False)
+                if header.chunk_hash != info.chunk_hash:
+                    raise VerifyError(f"{key} holds chunk {header.chunk_hash[:12]}, not its key's")
+                if not info.level_id.startswith(f"{header.level}-"):
+                    raise VerifyError(f"{key} holds level {header.level!r}, not its key's")
+            return Verified(_etag(digest), immutable=True)
+        digest = hashlib.sha256(data).hexdigest()
+        if info.kind == "manifest":
+            manifest = open_manifest(data, name=key, trust=trust)
+            if manifest.name != info.name or manifest.version != info.version:
+                raise VerifyError(f"{key} holds {manifest.ref}, not what its key names")
+            return Verified(_etag(digest), immutable=trust is not None)
+        if info.kind == "pointer":
+            pointer = open_pointer(data, what=key, trust=trust)
+            if pointer.name != info.name:
+                raise VerifyError(f"{key} points at another document ({pointer.name})")
+            return Verified(_etag(digest), immutable=False, version=pointer.version)
+        if info.kind == "index":
+            open_pointer(data, what=key)
+        else:  # profile-pointer
+            open_document(
+                data, PROFILE_POINTER_TYPE, what=key, trust=None, max_bytes=MAX_POINTER_BYTES
+            )
+        return Verified(_etag(digest), immutable=False)
+    except KvcdnError as exc:
         raise VerifyError(str(exc)) from None
-    return '"' + hashlib.sha256(data).hexdigest()[:32] + '"'
+
+
+def _etag(digest: str) -> str:
+    return f'"{digest[:32]}"'

@@ -19,6 +19,7 @@ import zstandard
 
 from .container import ChunkHeader, pack, unpack
 from .errors import FormatError, InputError
+from .manifest import TEXT_LEVEL
 from .profile import LADDER, CodecProfile
 
 if TYPE_CHECKING:
@@ -52,8 +53,6 @@ FIXED_LEVELS: dict[str, Level] = {
     ),
 }
 RANS_CODEC = "kvcdn-rans-v1"
-#: ``text`` is not encoded: the manifest's tokens are recomputed on the device.
-TEXT_LEVEL = "text"
 ALL_LEVEL_NAMES = (*LADDER, *FIXED_LEVELS, TEXT_LEVEL)
 DEFAULT_LEVELS = tuple(LADDER)
 

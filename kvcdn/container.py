@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import FormatError, IntegrityError
+from .jsonfmt import loads
 
 MAGIC = b"KVCDNCHK"
 FORMAT_VERSION = 1
@@ -99,10 +100,11 @@ def unpack(
     if verify_digest and hashlib.sha256(view[:body_end]).digest() != bytes(view[body_end:]):
         raise IntegrityError(f"{name} fails its checksum (corrupted)")
     head_start = _PREAMBLE.size
-    try:
-        raw = json.loads(bytes(view[head_start : head_start + head_len]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{name} has an unreadable header: {exc}") from None
+    raw = loads(
+        bytes(view[head_start : head_start + head_len]),
+        what=f"{name} header",
+        max_bytes=MAX_HEADER_BYTES,
+    )
     header = _validate_header(raw, name)
     return header, view[head_start + head_len : body_end]
 

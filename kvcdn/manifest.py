@@ -1,67 +1,41 @@
-"""The manifest: a document version's table of contents, and where things live.
+"""The manifest: a document version's table of contents.
 
-Specified in ``docs/manifest.md``. A manifest is JSON with a ``schema_version``;
-the parser accepts only versions it knows and checks every field's type before
-anything uses it. Store keys are defined here and only here, so publisher,
-SDK and edge agree on them.
+Specified in ``docs/manifest.md``. A manifest is JSON with a ``schema_version``,
+stored plain or inside a signed envelope (:mod:`kvcdn.signing`). The parser
+accepts only versions it knows and checks every field's type and bound
+before anything uses it: every object key must be the canonical key of its
+chunk, level and sha256 (:mod:`kvcdn.keys`), and the KV layout must be
+plausible before anyone allocates for it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import FormatError, InputError, OldSchema
+from . import keys
+from .errors import FormatError, IntegrityError, OldSchema
+from .jsonfmt import loads
+from .signing import MANIFEST_TYPE, POINTER_TYPE, Signer, TrustPolicy, open_document
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_POINTER_BYTES = 64 << 10
+MAX_TOKENS = 1 << 24
+MAX_CHUNK_TOKENS = 65536
+MAX_LEVELS = 64
+MAX_OBJECT_BYTES = 1 << 30  # one chunk at one level; far above any real one
+MAX_PROFILE_BYTES = 256 << 20
+MAX_LAYOUT = {"layers": 1024, "kv_heads": 1024, "head_dim": 1024}
+KV_DTYPES = ("float16", "bfloat16", "float32")
+TEXT_LEVEL = "text"
 
-NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-_NAME = re.compile(f"^{NAME_PATTERN}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
-
-# ---- keys ---------------------------------------------------------------------
-
-
-def check_name(name: str) -> str:
-    if not _NAME.match(name):
-        raise InputError(
-            f"invalid document name {name!r}: use letters, digits, '.', '_' and '-' "
-            "(at most 128, starting with a letter or digit)"
-        )
-    return name
-
-
-def name_from_filename(stem: str) -> str:
-    """A document name derived from a file name: unsafe characters become '-'."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-._")[:128]
-    return name or "document"
-
-
-def object_key(chunk_hash: str, level_id: str) -> str:
-    return f"objects/{chunk_hash[:2]}/{chunk_hash}/{level_id}.kvc"
-
-
-def manifest_key(name: str, version: int) -> str:
-    return f"docs/{name}/versions/{version:06d}.json"
-
-
-def latest_key(name: str) -> str:
-    return f"docs/{name}/latest.json"
-
-
-def source_index_key(fingerprint: str, source_sha256: str) -> str:
-    return f"index/sources/{fingerprint[:16]}/{source_sha256}.json"
-
-
-DOCS_PREFIX = "docs/"
-
-
-# ---- the manifest -------------------------------------------------------------
+_LEVEL_NAME = re.compile(r"^[a-z0-9][a-z0-9_]{0,31}$")
 
 
 @dataclass
@@ -69,6 +43,14 @@ class ObjectRef:
     key: str
     bytes: int
     sha256: str
+
+    def check(self, data: bytes) -> None:
+        """:class:`IntegrityError` unless ``data`` is exactly the bytes this ref names."""
+        if len(data) != self.bytes or hashlib.sha256(data).hexdigest() != self.sha256:
+            raise IntegrityError(
+                f"{self.key} does not match the size and sha256 its manifest records "
+                "(corrupted in the store or in transit)"
+            )
 
 
 @dataclass
@@ -109,6 +91,8 @@ class Manifest:
     levels: dict[str, LevelInfo]
     chunks: list[ChunkEntry] = field(default_factory=list)
     codec_profile: ObjectRef | None = None  # needed by ladder levels
+    #: Who signed the manifest as read (None: unsigned); not part of its bytes.
+    signer: Signer | None = field(default=None, compare=False)
 
     @property
     def token_ids(self) -> list[int]:
@@ -118,6 +102,10 @@ class Manifest:
     def chain_hash(self) -> str:
         """The document's identity: its last chunk's chained hash (model, all tokens)."""
         return self.chunks[-1].hash if self.chunks else ""
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -176,17 +164,29 @@ class Manifest:
 
 
 def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
-    """Parse and validate a manifest; raises :class:`FormatError` with ``name`` in it."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise FormatError(f"{name} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{name} is not valid JSON: {exc}") from None
+    """Parse and validate an unsigned manifest's bytes; :class:`FormatError` names ``name``."""
+    return manifest_from_json(loads(data, what=name, max_bytes=MAX_MANIFEST_BYTES), name=name)
+
+
+def open_manifest(data: bytes, *, name: str, trust: TrustPolicy | None) -> Manifest:
+    """A stored manifest (plain or signed) as read by a reader with ``trust``.
+
+    With ``trust``, only a manifest signed by a trusted key is accepted.
+    """
+    raw, signer = open_document(
+        data, MANIFEST_TYPE, what=name, trust=trust, max_bytes=MAX_MANIFEST_BYTES
+    )
+    manifest = manifest_from_json(raw, name=name)
+    manifest.signer = signer
+    return manifest
+
+
+def manifest_from_json(raw: Any, *, name: str) -> Manifest:
+    """A :class:`Manifest` from parsed JSON, every field checked."""
     v = _Validator(name)
     v.dict(raw, "manifest")
     schema = raw.get("schema_version")
-    if isinstance(schema, int) and not isinstance(schema, bool) and 0 < schema < SCHEMA_VERSION:
+    if type(schema) is int and 0 < schema < SCHEMA_VERSION:
         raise OldSchema(
             f"{name} was written by an older kvcdn (schema_version {schema}; this kvcdn reads "
             f"{SCHEMA_VERSION}); publish the document again to make a current version"
@@ -198,30 +198,52 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
         )
     doc = v.dict(raw.get("document"), "document")
     model = v.dict(raw.get("model"), "model")
+    fingerprint = v.hex64(model.get("fingerprint"), "model.fingerprint")
     layout = v.dict(raw.get("kv_layout"), "kv_layout")
-    for key in ("layers", "kv_heads", "head_dim"):
-        v.int(layout.get(key), f"kv_layout.{key}", minimum=1)
-    v.str(layout.get("dtype"), "kv_layout.dtype")
+    if set(layout) != {"layers", "kv_heads", "head_dim", "dtype"}:
+        raise FormatError(f"{name}: kv_layout must have exactly layers, kv_heads, head_dim, dtype")
+    for key, most in MAX_LAYOUT.items():
+        v.int(layout.get(key), f"kv_layout.{key}", minimum=1, maximum=most)
+    if layout.get("dtype") not in KV_DTYPES:
+        raise FormatError(f"{name}: kv_layout.dtype must be one of {', '.join(KV_DTYPES)}")
+    token_count = v.int(raw.get("token_count"), "token_count", minimum=1, maximum=MAX_TOKENS)
+    chunk_tokens = v.int(raw.get("chunk_tokens"), "chunk_tokens", 1, MAX_CHUNK_TOKENS)
+
+    raw_levels = v.dict(raw.get("levels"), "levels")
+    if len(raw_levels) > MAX_LEVELS:
+        raise FormatError(f"{name} declares {len(raw_levels)} levels (at most {MAX_LEVELS})")
     levels: dict[str, LevelInfo] = {}
-    for lv_name, lv in v.dict(raw.get("levels"), "levels").items():
-        lv = v.dict(lv, f"levels.{lv_name}")
+    for lv_name, lv in raw_levels.items():
+        where = f"levels.{lv_name}"
+        if not _LEVEL_NAME.match(lv_name):
+            raise FormatError(f"{name}: {lv_name[:40]!r} is not a level name")
+        lv = v.dict(lv, where)
+        level_id = v.str(lv.get("id"), f"{where}.id")
+        if lv_name == TEXT_LEVEL:
+            if level_id != TEXT_LEVEL:
+                raise FormatError(f"{name}: level text must have the id 'text'")
+        elif not (keys.is_level_id(level_id) and level_id.startswith(f"{lv_name}-")):
+            raise FormatError(f"{name}: {where}.id {level_id[:60]!r} is not an id of this level")
         levels[lv_name] = LevelInfo(
-            id=v.str(lv.get("id"), f"levels.{lv_name}.id"),
-            codec=v.str(lv.get("codec"), f"levels.{lv_name}.codec"),
-            params=v.dict(lv.get("params"), f"levels.{lv_name}.params"),
-            total_bytes=v.int(lv.get("total_bytes"), f"levels.{lv_name}.total_bytes", minimum=0),
-            bits_per_element=v.num(lv.get("bits_per_element"), f"levels.{lv_name}.bits"),
-            description=str(lv.get("description", "")),
+            id=level_id,
+            codec=v.str(lv.get("codec"), f"{where}.codec"),
+            params=v.dict(lv.get("params"), f"{where}.params"),
+            total_bytes=v.int(lv.get("total_bytes"), f"{where}.total_bytes", minimum=0),
+            bits_per_element=v.num(lv.get("bits_per_element"), f"{where}.bits_per_element"),
+            description=v.text(lv.get("description", ""), f"{where}.description"),
             quality={
-                k: v.real(q, f"levels.{lv_name}.quality.{k}")
-                for k, q in v.dict(lv.get("quality", {}), f"levels.{lv_name}.quality").items()
+                k: v.real(q, f"{where}.quality.{k}")
+                for k, q in v.dict(lv.get("quality", {}), f"{where}.quality").items()
             },
         )
+
+    raw_chunks = raw.get("chunks")
+    if not isinstance(raw_chunks, list) or not raw_chunks:
+        raise FormatError(f"{name}: 'chunks' is missing, empty or not a list")
+    if len(raw_chunks) != math.ceil(token_count / chunk_tokens):
+        raise FormatError(f"{name}: {len(raw_chunks)} chunks cannot hold {token_count} tokens")
     chunks: list[ChunkEntry] = []
     expected_start = 0
-    raw_chunks = raw.get("chunks")
-    if not isinstance(raw_chunks, list):
-        raise FormatError(f"{name}: 'chunks' is missing or not a list")
     for i, c in enumerate(raw_chunks):
         where = f"chunks[{i}]"
         c = v.dict(c, where)
@@ -230,43 +252,51 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
         tokens = c.get("tokens")
         if (
             start != expected_start
+            or end - start > chunk_tokens
+            or (end - start < chunk_tokens and i != len(raw_chunks) - 1)
             or not isinstance(tokens, list)
             or len(tokens) != end - start
-            or not all(type(t) is int and t >= 0 for t in tokens)
+            or not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens)
         ):
             raise FormatError(f"{name}: {where} has an inconsistent token range or token list")
         expected_start = end
+        chunk_hash = v.hex64(c.get("hash"), f"{where}.hash")
         objects = {}
         for lv_name, o in v.dict(c.get("objects"), f"{where}.objects").items():
             o = v.dict(o, f"{where}.objects.{lv_name}")
-            if lv_name not in levels:
-                raise FormatError(f"{name}: {where} names undeclared level {lv_name!r}")
-            objects[lv_name] = ObjectRef(
-                key=v.str(o.get("key"), f"{where}.key"),
-                bytes=v.int(o.get("bytes"), f"{where}.bytes", minimum=1),
-                sha256=v.hex64(o.get("sha256"), f"{where}.sha256"),
+            if lv_name not in levels or lv_name == TEXT_LEVEL:
+                raise FormatError(f"{name}: {where} names undeclared level {lv_name[:40]!r}")
+            ref = ObjectRef(
+                key=v.str(o.get("key"), f"{where}.objects.{lv_name}.key"),
+                bytes=v.int(
+                    o.get("bytes"), f"{where}.objects.{lv_name}.bytes", 1, MAX_OBJECT_BYTES
+                ),
+                sha256=v.hex64(o.get("sha256"), f"{where}.objects.{lv_name}.sha256"),
             )
+            if ref.key != keys.object_key(chunk_hash, levels[lv_name].id, ref.sha256):
+                raise FormatError(
+                    f"{name}: {where}.objects.{lv_name}.key {ref.key[:120]!r} is not the key of "
+                    "this chunk, level and sha256"
+                )
+            objects[lv_name] = ref
         chunks.append(
             ChunkEntry(
-                index=i,
-                start=start,
-                end=end,
-                hash=v.hex64(c.get("hash"), f"{where}.hash"),
-                tokens=tokens,
-                objects=objects,
+                index=i, start=start, end=end, hash=chunk_hash, tokens=tokens, objects=objects
             )
         )
+    if token_count != expected_start:
+        raise FormatError(f"{name}: token_count {token_count} does not match its chunks")
+
     profile = None
     if raw.get("codec_profile") is not None:
         p = v.dict(raw.get("codec_profile"), "codec_profile")
         profile = ObjectRef(
             key=v.str(p.get("key"), "codec_profile.key"),
-            bytes=v.int(p.get("bytes"), "codec_profile.bytes", minimum=1),
+            bytes=v.int(p.get("bytes"), "codec_profile.bytes", 1, MAX_PROFILE_BYTES),
             sha256=v.hex64(p.get("sha256"), "codec_profile.sha256"),
         )
-    token_count = v.int(raw.get("token_count"), "token_count", minimum=1)
-    if token_count != expected_start:
-        raise FormatError(f"{name}: token_count {token_count} does not match its chunks")
+        if profile.key != keys.profile_key(fingerprint, profile.sha256):
+            raise FormatError(f"{name}: codec_profile.key is not the key of its model and sha256")
     return Manifest(
         name=v.doc_name(doc.get("name"), "document.name"),
         version=v.int(raw.get("version"), "version", minimum=1),
@@ -274,10 +304,10 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
         source_bytes=v.int(doc.get("source_bytes"), "document.source_bytes", minimum=0),
         created_at=v.str(raw.get("created_at"), "created_at"),
         model_name=v.str(model.get("name"), "model.name"),
-        model_fingerprint=v.hex64(model.get("fingerprint"), "model.fingerprint"),
+        model_fingerprint=fingerprint,
         tokenizer=v.str(raw.get("tokenizer"), "tokenizer"),
         token_count=token_count,
-        chunk_tokens=v.int(raw.get("chunk_tokens"), "chunk_tokens", minimum=1),
+        chunk_tokens=chunk_tokens,
         kv_layout=layout,
         levels=levels,
         chunks=chunks,
@@ -287,6 +317,8 @@ def parse_manifest(data: bytes, *, name: str = "manifest") -> Manifest:
 
 class _Validator:
     """Type checks that name the manifest and field in their errors."""
+
+    MAX_TEXT = 4096
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -300,17 +332,22 @@ class _Validator:
         return value
 
     def str(self, value: Any, where: str) -> str:
-        if not isinstance(value, str) or not value:
-            raise self._fail(where, "a string")
+        if not isinstance(value, str) or not value or len(value) > self.MAX_TEXT:
+            raise self._fail(where, f"a string of 1 to {self.MAX_TEXT} characters")
         return value
 
-    def int(self, value: Any, where: str, minimum: int = 0) -> int:
-        if type(value) is not int or value < minimum:
-            raise self._fail(where, f"an integer >= {minimum}")
+    def text(self, value: Any, where: str) -> str:
+        if not isinstance(value, str) or len(value) > self.MAX_TEXT:
+            raise self._fail(where, f"a string of at most {self.MAX_TEXT} characters")
+        return value
+
+    def int(self, value: Any, where: str, minimum: int = 0, maximum: int = 1 << 62) -> int:
+        if type(value) is not int or not minimum <= value <= maximum:
+            raise self._fail(where, f"an integer from {minimum} to {maximum}")
         return value
 
     def num(self, value: Any, where: str) -> float:
-        if type(value) not in (int, float) or value < 0:
+        if type(value) not in (int, float) or not 0 <= value < 1e6:
             raise self._fail(where, "a non-negative number")
         return float(value)
 
@@ -320,7 +357,7 @@ class _Validator:
         return float(value)
 
     def doc_name(self, value: Any, where: str) -> str:
-        if not isinstance(value, str) or not _NAME.match(value):
+        if not isinstance(value, str) or keys.parse_key(keys.latest_key(value)) is None:
             raise self._fail(where, "a valid document name")
         return value
 
@@ -330,17 +367,38 @@ class _Validator:
         return value
 
 
-def parse_pointer(data: bytes, *, name: str) -> dict[str, Any]:
-    """Parse a small JSON pointer object (``latest.json``, source index entries)."""
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
-        raise FormatError(f"{name} is not valid JSON") from None
+# ---- pointers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """``latest.json`` or a source index entry: a document version, and who signed it."""
+
+    name: str
+    version: int
+    signer: Signer | None = None
+
+
+def pointer_bytes(name: str, version: int) -> bytes:
+    """A pointer's JSON (unsigned; :func:`kvcdn.signing.seal` signs it)."""
+    return json.dumps(
+        {"name": name, "version": version, "manifest": keys.manifest_key(name, version)}
+    ).encode()
+
+
+def open_pointer(data: bytes, *, what: str, trust: TrustPolicy | None = None) -> Pointer:
+    """Parse a pointer (plain or signed); with ``trust``, only a trusted signed one."""
+    raw, signer = open_document(
+        data, POINTER_TYPE, what=what, trust=trust, max_bytes=MAX_POINTER_BYTES
+    )
     if (
         not isinstance(raw, dict)
-        or not isinstance(raw.get("name"), str)
-        or type(raw.get("version")) is not int
+        or set(raw) != {"name", "version", "manifest"}
+        or not isinstance(raw["name"], str)
+        or type(raw["version"]) is not int
         or raw["version"] < 1
+        or keys.parse_key(keys.latest_key(raw["name"])) is None
+        or raw["manifest"] != keys.manifest_key(raw["name"], raw["version"])
     ):
-        raise FormatError(f"{name} is not a valid version pointer")
-    return raw
+        raise FormatError(f"{what} is not a valid version pointer")
+    return Pointer(raw["name"], raw["version"], signer)

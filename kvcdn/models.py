@@ -206,6 +206,11 @@ class LoadedModel:
                 f"({QUESTION_RESERVE_TOKENS} are kept for the question and answer)"
             )
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this model can read: ``0 .. vocab_size - 1``."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
     # ---- identity ------------------------------------------------------------
     @property
     def fingerprint(self) -> str:

@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 
 from .errors import FingerprintMismatch, FormatError
+from .jsonfmt import loads
 from .kv import KVLayout
+from .manifest import MAX_PROFILE_BYTES
 
 PROFILE_FORMAT = "kvcdn-codec-profile"
 PROFILE_VERSION = 1
-MAX_PROFILE_BYTES = 256 << 20
 MAX_TABLES = 4096
 
 #: The ladder, best first. Each level is calibrated to the mean next-token KL
@@ -49,15 +50,6 @@ LADDER: dict[str, float] = {
     "low": 0.015,
     "lowest": 0.04,
 }
-
-
-def profile_key(fingerprint: str, sha256: str) -> str:
-    return f"profiles/{fingerprint[:16]}/{sha256}.safetensors"
-
-
-def profile_pointer_key(fingerprint: str) -> str:
-    """The store's pointer to the current profile of a model."""
-    return f"profiles/{fingerprint[:16]}/current.json"
 
 
 def round_to_4_bits(x: np.ndarray) -> np.ndarray:
@@ -197,10 +189,10 @@ def parse_profile(data: bytes, *, name: str = "codec profile") -> CodecProfile:
     if header_len > len(data) - 8:
         raise FormatError(f"{name}: header length {header_len} runs past the end")
     try:
-        header = json.loads(bytes(data[8 : 8 + header_len]))
-        meta = json.loads(header["__metadata__"]["kvcdn"])
+        header = loads(bytes(data[8 : 8 + header_len]), what=name, max_bytes=header_len)
+        meta = loads(header["__metadata__"]["kvcdn"].encode(), what=name, max_bytes=header_len)
         arrays = load(bytes(data))
-    except (ValueError, KeyError, TypeError, SafetensorError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, SafetensorError) as exc:
         raise FormatError(f"{name} is not a kvcdn codec profile: {exc}") from None
     bad = _Check(name)
     if not isinstance(meta, dict) or meta.get("format") != PROFILE_FORMAT:

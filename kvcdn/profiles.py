@@ -13,13 +13,16 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from .calibrate import ProgressFn, calibrate
-from .errors import FormatError, IntegrityError, NotFound
-from .manifest import ObjectRef
+from .errors import FormatError, NotFound, TrustError
+from .keys import profile_key, profile_pointer_key
+from .manifest import MAX_POINTER_BYTES, MAX_PROFILE_BYTES, ObjectRef
 from .models import LoadedModel
-from .profile import CodecProfile, parse_profile, profile_key, profile_pointer_key
+from .profile import CodecProfile, parse_profile
+from .signing import PROFILE_POINTER_TYPE, SigningKey, TrustPolicy, open_document, seal
 from .store import Reader, Store
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ def cache_dir() -> Path:
 
 
 def load_profile(store: Reader, ref: ObjectRef) -> CodecProfile:
-    """The profile ``ref`` names, verified against its checksum (cached per process)."""
+    """The profile ``ref`` names, verified against its size and sha256 (cached per process)."""
     with _lock:
         if ref.sha256 in _loaded:
             return _loaded[ref.sha256]
@@ -42,11 +45,9 @@ def load_profile(store: Reader, ref: ObjectRef) -> CodecProfile:
     data = local.read_bytes() if local.is_file() else None
     if data is None or hashlib.sha256(data).hexdigest() != ref.sha256:
         try:
-            data = store.get(ref.key)
+            data = store.get(ref.key, max_bytes=ref.bytes, check=ref.check)
         except NotFound:
             raise NotFound(f"codec profile {ref.key} is missing from {store.url}") from None
-        if hashlib.sha256(data).hexdigest() != ref.sha256:
-            raise IntegrityError(f"codec profile {ref.key} does not match its checksum")
         _write_local(ref.sha256, data)
     profile = parse_profile(data, name=f"codec profile {ref.key}")
     with _lock:
@@ -54,16 +55,25 @@ def load_profile(store: Reader, ref: ObjectRef) -> CodecProfile:
     return profile
 
 
-def current_profile(store: Store, fingerprint: str) -> tuple[CodecProfile, ObjectRef] | None:
-    """The profile the store's pointer names for a model, if any."""
+def current_profile(
+    store: Store, fingerprint: str, trust: TrustPolicy | None = None
+) -> tuple[CodecProfile, ObjectRef] | None:
+    """The profile the store's pointer names for a model, if any (with ``trust``: only
+    a pointer signed by a trusted key)."""
     key = profile_pointer_key(fingerprint)
     try:
-        raw = json.loads(store.get(key))
-        ref = ObjectRef(key=str(raw["key"]), bytes=int(raw["bytes"]), sha256=str(raw["sha256"]))
+        data = store.get(key, max_bytes=MAX_POINTER_BYTES)
     except NotFound:
         return None
-    except (ValueError, KeyError, TypeError) as exc:
+    raw, _ = open_document(
+        data, PROFILE_POINTER_TYPE, what=key, trust=trust, max_bytes=MAX_POINTER_BYTES
+    )
+    try:
+        ref = ObjectRef(key=str(raw["key"]), bytes=int(raw["bytes"]), sha256=str(raw["sha256"]))
+    except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"{key} is not a valid profile pointer: {exc}") from None
+    if ref.key != profile_key(fingerprint, ref.sha256) or not 0 < ref.bytes <= MAX_PROFILE_BYTES:
+        raise FormatError(f"{key} does not point at a profile of this model")
     return load_profile(store, ref), ref
 
 
@@ -84,25 +94,46 @@ def local_profile(fingerprint: str) -> CodecProfile | None:
     return None
 
 
-def publish_profile(store: Store, profile: CodecProfile) -> ObjectRef:
-    """Store ``profile`` (create-only, content-addressed) and point the model at it."""
+def publish_profile(
+    store: Store, profile: CodecProfile, sign_keys: Sequence[SigningKey] = ()
+) -> ObjectRef:
+    """Store ``profile`` (create-only, content-addressed) and point the model at it
+    (a pointer signed by ``sign_keys`` when given)."""
     data = profile.to_bytes()
     ref = ObjectRef(
         profile_key(profile.model_fingerprint, profile.sha256), len(data), profile.sha256
     )
-    if not store.exists(ref.key):
-        store.put_new(ref.key, data)
+    store.put_new(ref.key, data)  # the key is the content's hash: an existing one is the same
     pointer = json.dumps({"key": ref.key, "bytes": ref.bytes, "sha256": ref.sha256}).encode()
+    if sign_keys:
+        pointer = seal(pointer, PROFILE_POINTER_TYPE, sign_keys)
     store.put(profile_pointer_key(profile.model_fingerprint), pointer)
     _write_local(profile.sha256, data)
     return ref
 
 
 def ensure_profile(
-    store: Store, model: LoadedModel, progress: ProgressFn | None = None
+    store: Store,
+    model: LoadedModel,
+    progress: ProgressFn | None = None,
+    *,
+    sign_keys: Sequence[SigningKey] = (),
+    trust: TrustPolicy | None = None,
 ) -> tuple[CodecProfile, ObjectRef]:
-    """The model's profile: from the store, else this machine's cache, else calibrate now."""
-    found = current_profile(store, model.fingerprint)
+    """The model's profile: from the store, else this machine's cache, else calibrate now.
+
+    A signing publisher (``sign_keys``) uses the store's profile only when its
+    pointer is signed by one of its keys or a key of ``trust``: it vouches for
+    every profile its manifests name.
+    """
+    if sign_keys:
+        own = [k.public for k in sign_keys]
+        trust = trust.with_keys(own) if trust is not None else TrustPolicy(own)
+    try:
+        found = current_profile(store, model.fingerprint, trust)
+    except (TrustError, FormatError) as exc:
+        log.warning("not using the store's codec profile: %s", exc)
+        found = None
     if found is not None:
         found[0].check_model(model.fingerprint, f"the codec profile in {store.url}")
         return found
@@ -111,7 +142,7 @@ def ensure_profile(
         log.info("no codec profile for %s yet: calibrating", model.name)
         profile = calibrate(model, progress=progress)
     profile.check_model(model.fingerprint)
-    return profile, publish_profile(store, profile)
+    return profile, publish_profile(store, profile, sign_keys)
 
 
 def _write_local(sha256: str, data: bytes) -> None:

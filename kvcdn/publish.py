@@ -1,11 +1,19 @@
 """Publishing: document -> tokens -> KV -> chunk objects -> manifest -> latest pointer.
 
-Order is the crash-safety argument. Objects are immutable and written first
-(each atomically); the manifest is created last, with a create-only write, so
-a version is visible exactly when all its objects are; the latest pointer is
-a hint written after it. A publish that dies part-way leaves orphan objects
-and no new version; the next run finds those objects, verifies them and
-uploads only what is missing.
+Order is the crash-safety argument. Objects are immutable and content-addressed
+(their key ends in the sha256 of their bytes, so no key ever holds two byte
+strings, whoever writes it and in whatever order) and are written first; the
+manifest is created last, with a create-only write, so a version is visible
+exactly when all its objects are; the latest pointer follows. A publish that
+dies part-way leaves orphan objects and no new version; the next run finds
+the objects it computes again already stored, checks them and uploads only
+what is missing.
+
+Concurrent publishers of one name converge: the one that loses the race for
+version N publishes N+1 with the objects it has already uploaded. With
+signing keys, manifests and pointers are signed (:mod:`kvcdn.signing`); a
+signing publisher reuses objects and profiles only from versions signed by
+a key it trusts, since its signature vouches for every sha256 it names.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -29,14 +37,8 @@ from .codec import (
     needs_profile,
     parse_levels,
 )
-from .container import unpack
-from .errors import ConcurrentPublish, FormatError, InputError, OldSchema
-from .kv import DEFAULT_CHUNK_TOKENS, split_chunks
-from .manifest import (
-    ChunkEntry,
-    LevelInfo,
-    Manifest,
-    ObjectRef,
+from .errors import ConcurrentPublish, FormatError, InputError, NotFound, OldSchema, TrustError
+from .keys import (
     check_name,
     latest_key,
     manifest_key,
@@ -44,8 +46,18 @@ from .manifest import (
     object_key,
     source_index_key,
 )
+from .kv import DEFAULT_CHUNK_TOKENS, split_chunks
+from .manifest import (
+    MAX_CHUNK_TOKENS,
+    ChunkEntry,
+    LevelInfo,
+    Manifest,
+    ObjectRef,
+    pointer_bytes,
+)
 from .models import LoadedModel, load_model
 from .profile import CodecProfile
+from .signing import MANIFEST_TYPE, POINTER_TYPE, SigningKey, TrustPolicy, seal
 from .store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -54,6 +66,9 @@ log = logging.getLogger(__name__)
 #: "calibrate:<step>" when the model has no codec profile yet.
 ProgressFn = Callable[[str, int, int], None]
 UPLOAD_CONCURRENCY = 8
+#: Versions a publish tries before giving up, when other publishers of the same
+#: name keep creating the version it was about to create.
+VERSION_ATTEMPTS = 8
 
 
 @dataclass
@@ -69,6 +84,7 @@ class PublishResult:
     uploaded_bytes: int = 0
     level_bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    signed_by: list[str] = field(default_factory=list)  # key ids
 
 
 def read_document(path: str | Path) -> str:
@@ -101,6 +117,24 @@ def source_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def document_and_name(
+    path: str | Path | None, text: str | None, name: str | None
+) -> tuple[str, str]:
+    """The text to publish and its document name, checked (nothing is loaded yet)."""
+    if (path is None) == (text is None):
+        raise InputError("publish needs either a path or a text")
+    if path is not None:
+        text = read_document(path)
+        name = name or name_from_filename(Path(path).stem)
+    else:
+        if not isinstance(text, str):
+            raise InputError(f"text must be a string, not {type(text).__name__}")
+        text = document_text(text.encode("utf-8"), "the text")
+        if not name:
+            raise InputError("publishing a text needs a document name")
+    return text, check_name(name)
+
+
 def publish(
     path: str | Path | None = None,
     *,
@@ -113,26 +147,25 @@ def publish(
     device: str | None = None,
     progress: ProgressFn | None = None,
     on_object: Callable[[str], None] | None = None,
+    sign_keys: Sequence[SigningKey] = (),
+    trust: TrustPolicy | None = None,
 ) -> PublishResult:
     """Publish one document (a file ``path``, or ``text`` with a ``name``).
 
+    ``sign_keys`` sign the manifest and the pointer (several keys during a key
+    rotation). ``trust`` names other publishers whose versions and profiles
+    this one may build on; a signing publisher always trusts its own keys.
     ``on_object(key)`` is called after each object is stored.
     """
     started = time.perf_counter()
-    if (path is None) == (text is None):
-        raise InputError("publish needs either a path or a text")
-    if path is not None:
-        text = read_document(path)
-        name = name or name_from_filename(Path(path).stem)
-    else:
-        assert text is not None
-        text = document_text(text.encode("utf-8"), "the text")
-        if not name:
-            raise InputError("publishing a text needs a document name")
-    check_name(name)
-    if chunk_tokens < 16 or chunk_tokens > 65536:
-        raise InputError(f"chunk size {chunk_tokens} is out of range (16..65536 tokens)")
+    text, name = document_and_name(path, text, name)
+    if type(chunk_tokens) is not int or not 16 <= chunk_tokens <= MAX_CHUNK_TOKENS:
+        raise InputError(f"chunk size {chunk_tokens!r} is out of range (16..65536 tokens)")
     check_level_names(levels)  # spelling mistakes fail before the model loads
+    sign_keys = tuple(sign_keys)
+    if sign_keys:
+        own = [k.public for k in sign_keys]
+        trust = trust.with_keys(own) if trust is not None else TrustPolicy(own)
     store = store if isinstance(store, Store) else open_store(store)
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device)
     progress = progress or (lambda stage, done, total: None)
@@ -141,104 +174,166 @@ def publish(
         from .profiles import ensure_profile
 
         profile, profile_ref = ensure_profile(
-            store, loaded, lambda stage, done, total: progress(f"calibrate:{stage}", done, total)
+            store,
+            loaded,
+            lambda stage, done, total: progress(f"calibrate:{stage}", done, total),
+            sign_keys=sign_keys,
+            trust=trust,
         )
     chosen = parse_levels(levels, profile)
     on_object = on_object or (lambda key: None)
     seconds: dict[str, float] = {}
-
     fingerprint = loaded.fingerprint
     src_sha = source_digest(text)
-    latest = catalog.latest_version(store, name)
-    previous = None
-    if latest:
-        try:
-            previous = catalog.read_manifest(store, name, latest)
-        except OldSchema:  # an older kvcdn's version: this publish supersedes it
-            log.info("%s@%d has an older manifest schema; publishing a new version", name, latest)
-    if previous and _same_publication(previous, src_sha, fingerprint, chunk_tokens, chosen):
-        _advance_pointer(store, name, previous.version)
-        return PublishResult(
-            name=name,
-            version=previous.version,
-            manifest_key=manifest_key(name, previous.version),
-            unchanged=True,
-            token_count=previous.token_count,
-            chunks=len(previous.chunks),
-            reused_objects=sum(len(c.objects) for c in previous.chunks),
-            level_bytes={n: lv.total_bytes for n, lv in previous.levels.items() if n != TEXT_LEVEL},
-            seconds={"total": time.perf_counter() - started},
-        )
+    signed_by = [k.public.id for k in sign_keys]
 
-    t = time.perf_counter()
-    ids = loaded.document_ids(text)
-    loaded.check_fits(len(ids))
-    chunks = split_chunks(fingerprint, ids, chunk_tokens)
-    seconds["tokenize"] = time.perf_counter() - t
-
-    # What already exists: objects named by an earlier manifest are trusted as
-    # recorded; objects without one (left by a crashed run) are verified.
-    known: dict[str, ObjectRef] = {}
-    if previous:
-        for c in previous.chunks:
-            for ref in c.objects.values():
-                known[ref.key] = ref
-    refs: dict[tuple[int, str], ObjectRef] = {}
-    missing: list[tuple[int, Level, str]] = []
-    for chunk in chunks:
-        for level in chosen:
-            key = object_key(chunk.hash, level.id)
-            ref = known.get(key) or _verified_leftover(store, key, chunk.hash, level)
-            if ref:
-                refs[(chunk.index, level.name)] = ref
-            else:
-                missing.append((chunk.index, level, key))
-
+    ids: list[int] | None = None
+    chunks = []
+    kv = None
+    # Objects known to be stored, by (chunk hash, level id): those this run
+    # uploaded or checked, and those a trusted earlier version names.
+    stored: dict[tuple[str, str], ObjectRef] = {}
+    uploaded = 0
     uploaded_bytes = 0
-    if missing:
-        t = time.perf_counter()
-        progress("prefill", 0, len(ids))
-        kv = loaded.prefill(ids)
-        progress("prefill", len(ids), len(ids))
-        seconds["prefill"] = time.perf_counter() - t
+    for _attempt in range(VERSION_ATTEMPTS):
+        latest = catalog.latest_version(store, name)
+        previous = _previous(store, name, latest, trust)
+        if (
+            previous is not None
+            and _same_publication(previous, src_sha, fingerprint, chunk_tokens, chosen)
+            and _signed_as_asked(previous, sign_keys)
+        ):
+            _advance_pointer(store, name, previous.version, sign_keys, trust)
+            return PublishResult(
+                name=name,
+                version=previous.version,
+                manifest_key=manifest_key(name, previous.version),
+                unchanged=True,
+                token_count=previous.token_count,
+                chunks=len(previous.chunks),
+                reused_objects=sum(len(c.objects) for c in previous.chunks),
+                level_bytes={
+                    n: lv.total_bytes for n, lv in previous.levels.items() if n != TEXT_LEVEL
+                },
+                seconds={"total": time.perf_counter() - started},
+                signed_by=[previous.signer.key.id] if previous.signer else [],
+            )
+        if previous is not None:
+            for c in previous.chunks:
+                for lv_name, ref in c.objects.items():
+                    stored.setdefault((c.hash, previous.levels[lv_name].id), ref)
 
-        t_encode = 0.0
-        t = time.perf_counter()
+        if ids is None:
+            t = time.perf_counter()
+            ids = loaded.document_ids(text)
+            loaded.check_fits(len(ids))
+            chunks = split_chunks(fingerprint, ids, chunk_tokens)
+            seconds["tokenize"] = time.perf_counter() - t
+        missing = [
+            (chunk, level)
+            for chunk in chunks
+            for level in chosen
+            if (chunk.hash, level.id) not in stored
+        ]
+        if missing:
+            if kv is None:
+                t = time.perf_counter()
+                progress("prefill", 0, len(ids))
+                kv = loaded.prefill(ids)
+                progress("prefill", len(ids), len(ids))
+                seconds["prefill"] = time.perf_counter() - t
+            t = time.perf_counter()
+            t_encode = 0.0
 
-        def store_one(item: tuple[int, Level, str], data: bytes) -> ObjectRef:
-            key = item[2]
-            store.put(key, data)
-            on_object(key)
-            return ObjectRef(key=key, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+            def store_one(data: bytes, chunk_hash: str, level: Level) -> tuple[ObjectRef, bool]:
+                sha = hashlib.sha256(data).hexdigest()
+                ref = ObjectRef(object_key(chunk_hash, level.id, sha), len(data), sha)
+                written = _store_object(store, ref, data)
+                on_object(ref.key)
+                return ref, written
 
-        with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
-            pending = []
-            for n, item in enumerate(missing):
-                index, level, _ = item
-                chunk = chunks[index]
-                te = time.perf_counter()
-                data = encode_chunk(
-                    level,
-                    kv[:, :, :, chunk.start : chunk.end],
-                    chunk.hash,
-                    profile=profile,
-                    start=chunk.start,
-                )
-                t_encode += time.perf_counter() - te
-                progress("encode", n + 1, len(missing))
-                pending.append((item, pool.submit(store_one, item, data)))
-            for n, (item, future) in enumerate(pending):
-                ref = future.result()
-                refs[(item[0], item[1].name)] = ref
-                uploaded_bytes += ref.bytes
-                progress("upload", n + 1, len(missing))
-        seconds["encode"] = t_encode
-        seconds["upload"] = time.perf_counter() - t - t_encode
+            with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
+                pending = []
+                for n, (chunk, level) in enumerate(missing):
+                    te = time.perf_counter()
+                    data = encode_chunk(
+                        level,
+                        kv[:, :, :, chunk.start : chunk.end],
+                        chunk.hash,
+                        profile=profile,
+                        start=chunk.start,
+                    )
+                    t_encode += time.perf_counter() - te
+                    progress("encode", n + 1, len(missing))
+                    pending.append((chunk, level, pool.submit(store_one, data, chunk.hash, level)))
+                for n, (chunk, level, future) in enumerate(pending):
+                    ref, written = future.result()
+                    stored[(chunk.hash, level.id)] = ref
+                    if written:
+                        uploaded += 1
+                        uploaded_bytes += ref.bytes
+                    progress("upload", n + 1, len(missing))
+            seconds["encode"] = seconds.get("encode", 0.0) + t_encode
+            seconds["upload"] = seconds.get("upload", 0.0) + time.perf_counter() - t - t_encode
 
+        version = (latest or 0) + 1
+        manifest = _manifest(
+            name, version, text, src_sha, loaded, ids, chunks, chosen, stored, profile,
+            profile_ref, chunk_tokens,
+        )  # fmt: skip
+        data = manifest.dumps()
+        if sign_keys:
+            data = seal(data, MANIFEST_TYPE, sign_keys)
+        if store.put_new(manifest_key(name, version), data):
+            break
+        log.info("%s@%d was published by someone else meanwhile; publishing as the next", name,
+                 version)  # fmt: skip
+    else:
+        raise ConcurrentPublish(
+            f"other publishers of '{name}' took {VERSION_ATTEMPTS} versions in a row while "
+            "this one tried to publish; run the publish again"
+        )
+    _advance_pointer(store, name, version, sign_keys, trust)
+    store.put(source_index_key(fingerprint, src_sha), pointer_bytes(name, version))
+    seconds["total"] = time.perf_counter() - started
+    log.info(
+        "published %s@%d: %d chunks, %d objects uploaded", name, version, len(chunks), uploaded
+    )
+    total_objects = len(chunks) * len(chosen)
+    return PublishResult(
+        name=name,
+        version=version,
+        manifest_key=manifest_key(name, version),
+        unchanged=False,
+        token_count=len(ids),
+        chunks=len(chunks),
+        uploaded_objects=uploaded,
+        reused_objects=total_objects - uploaded,
+        uploaded_bytes=uploaded_bytes,
+        level_bytes={n: lv.total_bytes for n, lv in manifest.levels.items() if n != TEXT_LEVEL},
+        seconds=seconds,
+        signed_by=signed_by,
+    )
+
+
+def _manifest(
+    name: str,
+    version: int,
+    text: str,
+    src_sha: str,
+    loaded: LoadedModel,
+    ids: list[int],
+    chunks: list,
+    chosen: list[Level],
+    stored: dict[tuple[str, str], ObjectRef],
+    profile: CodecProfile | None,
+    profile_ref: ObjectRef | None,
+    chunk_tokens: int,
+) -> Manifest:
     layout = loaded.layout
     level_infos = {}
     for level in chosen:
-        total = sum(refs[(c.index, level.name)].bytes for c in chunks)
+        total = sum(stored[(c.hash, level.id)].bytes for c in chunks)
         level_infos[level.name] = LevelInfo(
             id=level.id,
             codec=level.codec,
@@ -257,15 +352,14 @@ def publish(
         description="recompute the chunk from the manifest's tokens on the device",
         quality={"kl": 0.0, "ppl_delta_pct": 0.0, "top1_agree": 1.0},
     )
-    version = (latest or 0) + 1
-    manifest = Manifest(
+    return Manifest(
         name=name,
         version=version,
         source_sha256=src_sha,
         source_bytes=len(text.encode("utf-8")),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         model_name=loaded.name,
-        model_fingerprint=fingerprint,
+        model_fingerprint=loaded.fingerprint,
         tokenizer=f"{loaded.source.directory}:{loaded.source.gguf_file or ''}".rstrip(":"),
         token_count=len(ids),
         chunk_tokens=chunk_tokens,
@@ -279,35 +373,10 @@ def publish(
                 end=c.end,
                 hash=c.hash,
                 tokens=ids[c.start : c.end],
-                objects={lv.name: refs[(c.index, lv.name)] for lv in chosen},
+                objects={lv.name: stored[(c.hash, lv.id)] for lv in chosen},
             )
             for c in chunks
         ],
-    )
-    key = manifest_key(name, version)
-    if not store.put_new(key, manifest.dumps()):
-        raise ConcurrentPublish(
-            f"version {version} of '{name}' was published by someone else meanwhile; "
-            "run the publish again"
-        )
-    _advance_pointer(store, name, version)
-    store.put(source_index_key(fingerprint, src_sha), catalog.pointer_bytes(name, version))
-    seconds["total"] = time.perf_counter() - started
-    log.info(
-        "published %s@%d: %d chunks, %d objects uploaded", name, version, len(chunks), len(missing)
-    )
-    return PublishResult(
-        name=name,
-        version=version,
-        manifest_key=key,
-        unchanged=False,
-        token_count=len(ids),
-        chunks=len(chunks),
-        uploaded_objects=len(missing),
-        reused_objects=len(chunks) * len(chosen) - len(missing),
-        uploaded_bytes=uploaded_bytes,
-        level_bytes={n: lv.total_bytes for n, lv in level_infos.items() if n != TEXT_LEVEL},
-        seconds=seconds,
     )
 
 
@@ -331,24 +400,73 @@ def _same_publication(
     )
 
 
-def _verified_leftover(store: Store, key: str, chunk_hash: str, level: Level) -> ObjectRef | None:
-    """An object a crashed publish left behind, if it is whole and is what ``key`` says."""
-    if not store.exists(key):
+def _previous(
+    store: Store, name: str, latest: int | None, trust: TrustPolicy | None
+) -> Manifest | None:
+    """The latest version, when this publisher may build on it (``trust``: only one
+    signed by a trusted key); None otherwise (the new version starts afresh)."""
+    if latest is None:
         return None
-    data = store.get(key)
     try:
-        header, _ = unpack(data, name=key)
-    except FormatError as exc:
-        log.warning("replacing damaged leftover object: %s", exc)
-        return None
-    if header.chunk_hash != chunk_hash or header.codec != level.codec:
-        log.warning("replacing leftover object %s: it holds another chunk or codec", key)
-        return None
-    return ObjectRef(key=key, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        return catalog.read_manifest(store, name, latest, trust=trust)
+    except OldSchema:  # an older kvcdn's version: this publish supersedes it
+        log.info("%s@%d has an older manifest schema; publishing a new version", name, latest)
+    except (TrustError, FormatError) as exc:
+        log.warning("not building on %s@%d: %s", name, latest, exc)
+    except NotFound:  # removed since it was listed
+        pass
+    return None
 
 
-def _advance_pointer(store: Store, name: str, version: int) -> None:
-    """Move ``latest.json`` forward to ``version``; never backwards."""
-    current = catalog.pointer_version(store, name)
-    if current is None or current < version:
-        store.put(latest_key(name), catalog.pointer_bytes(name, version))
+def _signed_as_asked(previous: Manifest, sign_keys: Sequence[SigningKey]) -> bool:
+    """A signing publisher republishes unchanged text only over a version its keys signed."""
+    if not sign_keys:
+        return True
+    return previous.signer is not None and any(
+        previous.signer.key.raw == k.public.raw for k in sign_keys
+    )
+
+
+def _store_object(store: Store, ref: ObjectRef, data: bytes) -> bool:
+    """Store a content-addressed object; False when it was already there, whole.
+
+    The key names the sha256 of ``data``, so an existing object is either these
+    bytes or damaged (then it is replaced).
+    """
+    if store.put_new(ref.key, data):
+        return True
+    try:
+        store.get(ref.key, max_bytes=ref.bytes, check=ref.check)
+        return False
+    except (FormatError, NotFound) as exc:
+        log.warning("replacing a damaged or vanished object %s: %s", ref.key, exc)
+    store.put(ref.key, data)
+    return True
+
+
+def _advance_pointer(
+    store: Store,
+    name: str,
+    version: int,
+    sign_keys: Sequence[SigningKey],
+    trust: TrustPolicy | None,
+) -> None:
+    """Point ``latest.json`` at the newest version, never an older one.
+
+    Another publisher may write the pointer between our read and our write;
+    listing again afterwards and rewriting until the listing holds nothing
+    newer makes concurrent publishers agree on the newest version.
+    """
+    for _ in range(VERSION_ATTEMPTS):
+        target = max(version, catalog.latest_version(store, name) or 0)
+        try:
+            current = catalog.read_pointer(store, name, trust)
+        except (FormatError, TrustError):
+            current = None  # damaged or not ours to believe: rewritten
+        if current is None or current.version != target:
+            data = pointer_bytes(name, target)
+            if sign_keys:
+                data = seal(data, POINTER_TYPE, sign_keys)
+            store.put(latest_key(name), data)
+        if (catalog.latest_version(store, name) or 0) <= target:
+            return

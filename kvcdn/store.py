@@ -1,8 +1,9 @@
 """Object stores over fsspec: a local folder, ``s3://bucket/prefix``, ``memory://``.
 
 A store is a flat namespace of keys (``a/b/c``) under a root. It offers what
-publishing needs and nothing more: read, atomic write, create-only write (the
-conditional write that keeps two publishers from claiming one version), list.
+publishing needs and nothing more: read (bounded, and checked by the caller's
+``check``), atomic write, create-only write (the conditional write that keeps
+two publishers from claiming one version), list.
 
 S3 works unchanged against AWS, MinIO, Ceph RGW, R2 or moto: the endpoint comes
 from ``endpoint_url`` or ``AWS_ENDPOINT_URL``, credentials from the standard AWS
@@ -14,15 +15,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import fsspec
 
-from .errors import NotFound, StoreError
+from .errors import FormatError, InputError, NotFound, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +39,27 @@ def default_store_url() -> str:
     return str(cache / "kvcdn" / "store")
 
 
+#: ``check(data)`` raises a kvcdn error when bytes read for a key are not what
+#: the caller expects (a checksum, a signature); a reader in front of several
+#: sources moves on to the next one.
+Check = Callable[[bytes], None]
+
+
 class Reader(Protocol):
     """What reading documents needs: a :class:`Store`, or edges in front of one."""
 
     url: str
 
-    def get(self, key: str) -> bytes: ...
-
-    def get_many(self, keys: list[str]) -> dict[str, bytes]: ...
-
-    def exists(self, key: str) -> bool: ...
+    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
+        """The bytes of ``key``: at most ``max_bytes`` of them, passed by ``check``."""
+        ...
 
     def list(self, prefix: str = "") -> list[str]: ...
+
+
+def scope_of(reader: Any) -> str:
+    """The store a reader reads, as one string: what rollback protection is kept per."""
+    return getattr(reader, "scope", None) or reader.url
 
 
 class Store:
@@ -81,21 +93,40 @@ class Store:
         try:
             yield
         except FileNotFoundError as exc:
+            if _s3_code(exc) == "NoSuchBucket":  # the store is gone, not the key
+                raise StoreError(f"{what}: the bucket of {self.url} does not exist") from None
             raise NotFound(f"{what}: not found in {self.url} ({exc})") from None
         except PermissionError as exc:
             raise StoreError(
                 f"{what}: access denied by {self.url} ({exc}); check the credentials "
                 "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS profile)"
             ) from None
-        except (StoreError, ValueError):
+        except (StoreError, FormatError, ValueError):
             raise
         except Exception as exc:  # network stacks raise many types; all mean the same here
             raise StoreError(f"{what}: store {self.url} failed: {exc}") from None
 
+    @property
+    def scope(self) -> str:
+        """What this store is, however its URL was written (rollback state is kept per scope)."""
+        return self.url
+
     # ---- reading ---------------------------------------------------------------
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
+        """The bytes of ``key``; a larger object is refused after ``max_bytes`` + 1 bytes
+        (one ranged read), and ``check`` runs on what was read."""
         with self._errors(f"reading {key}"):
-            return self.fs.cat_file(self._path(key), **self.read_kwargs)
+            if max_bytes is None:
+                data = self.fs.cat_file(self._path(key), **self.read_kwargs)
+            else:
+                data = self.fs.cat_file(
+                    self._path(key), start=0, end=max_bytes + 1, **self.read_kwargs
+                )
+        if max_bytes is not None and len(data) > max_bytes:
+            raise FormatError(f"{key} in {self.url} is larger than the {max_bytes} bytes expected")
+        if check is not None:
+            check(data)
+        return data
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         """Fetch several keys, concurrently where the filesystem is asynchronous."""
@@ -159,8 +190,9 @@ class Store:
             self.fs.pipe_file(path, data)
             return True
 
-    def check(self) -> None:
-        """Raise a clear :class:`StoreError` if the store cannot be used."""
+    def check(self, create: bool = True) -> None:
+        """Raise a clear :class:`StoreError` if the store cannot be used; with
+        ``create=False`` (readers), a store that does not exist yet is :class:`NotFound`."""
 
 
 class LocalStore(Store):
@@ -195,11 +227,31 @@ class LocalStore(Store):
             tmp.unlink(missing_ok=True)
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        self._require_root()
         found = super().list_sizes(prefix)  # without temporary files of unfinished writes
         return {k: n for k, n in found.items() if not k.rsplit("/", 1)[-1].startswith(".")}
 
-    def check(self) -> None:
+    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
+        try:
+            return super().get(key, max_bytes=max_bytes, check=check)
+        except NotFound:
+            self._require_root()  # a store that is gone is a failure, not a missing key
+            raise
+
+    @property
+    def scope(self) -> str:
+        return f"file://{self.root}"
+
+    def _require_root(self) -> None:
+        if not Path(self.root).is_dir():
+            raise StoreError(f"the store folder {self.root} does not exist (any more)")
+
+    def check(self, create: bool = True) -> None:
         root = Path(self.root)
+        if not create:
+            if not root.is_dir():
+                raise NotFound(f"there is no store at {root} (no such folder)")
+            return
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -221,13 +273,12 @@ class S3Store(Store):
         except OSError as exc:
             # s3fs maps a 412 to FileExistsError only when the message is AWS's;
             # Ceph RGW sends none, so look at the S3 error code itself.
-            code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
-            if code == "PreconditionFailed":
+            if _s3_code(exc) == "PreconditionFailed":
                 return False
             raise
         return True
 
-    def check(self) -> None:
+    def check(self, create: bool = True) -> None:
         bucket = self.root.split("/", 1)[0]
         with self._errors(f"bucket {bucket}"):
             try:
@@ -239,35 +290,96 @@ class S3Store(Store):
     def endpoint(self) -> str:
         return self.fs.client_kwargs.get("endpoint_url") or "AWS S3"
 
+    @property
+    def scope(self) -> str:
+        return f"s3://{self.root} at {self.endpoint}"
 
-def open_store(url: str | None = None, *, endpoint_url: str | None = None) -> Store:
-    """Open the store at ``url`` (default: :func:`default_store_url`)."""
+
+#: Store URL schemes kvcdn reads and writes; anything else is refused by name.
+SCHEMES = ("file", "s3", "s3a", "memory")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//)?")
+# Schemes people may type by mistake: named in the error rather than taken for a folder.
+_URL_LIKE = {*SCHEMES, "gs", "gcs", "az", "abfs", "http", "https", "ftp", "sftp", "hdfs", "r2"}
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
+
+
+def open_store(
+    url: str | None = None, *, endpoint_url: str | None = None, create: bool = True
+) -> Store:
+    """Open the store at ``url`` (default: :func:`default_store_url`).
+
+    ``url`` is a folder, ``file://PATH``, ``s3://BUCKET[/PREFIX]`` or
+    ``memory://NAME``; anything else is an :class:`InputError` that says what
+    is accepted. ``create=False`` (readers) refuses a folder that does not exist
+    instead of making it.
+    """
+    if url is not None and not isinstance(url, str):
+        raise InputError(f"a store URL must be a string, not {type(url).__name__}")
     url = url or default_store_url()
-    protocol, _, rest = url.partition("://")
-    if not rest:  # a plain path
-        path = str(Path(url).expanduser().absolute())
-        store: Store = LocalStore(path, fsspec.filesystem("file"), path)
-    elif protocol == "file":
-        path = str(Path(rest).expanduser().absolute())
-        store = LocalStore(url, fsspec.filesystem("file"), path)
-    elif protocol in ("s3", "s3a"):
-        if not rest.strip("/"):
-            raise StoreError(f"'{url}' names no bucket; use s3://bucket[/prefix]")
-        store = S3Store(url, _s3_filesystem(endpoint_url), rest.strip("/"))
+    match = _SCHEME.match(url)
+    scheme = match.group(1).lower() if match else ""
+    if match is None or (not match.group(2) and scheme not in _URL_LIKE):
+        path = str(Path(url).expanduser().absolute())  # a plain path (may contain ':')
+        store: Store = LocalStore(url, fsspec.filesystem("file"), path)
+    elif scheme not in SCHEMES:
+        raise InputError(
+            f"unsupported store '{url}': kvcdn stores are a folder, file://PATH, "
+            "s3://BUCKET[/PREFIX] (AWS, MinIO, Ceph RGW, R2) or memory://NAME"
+            + (" (for an edge, use --edge URL)" if scheme in ("http", "https") else "")
+        )
+    elif not match.group(2):
+        rest = url[match.end() :].lstrip("/")
+        raise InputError(f"'{url}' is not a store URL; did you mean {scheme}://{rest}?")
     else:
-        try:
-            fs = fsspec.filesystem(protocol)
-        except (ImportError, ValueError) as exc:
-            raise StoreError(f"unsupported store '{url}': {exc}") from None
-        store = Store(url, fs, fs._strip_protocol(url))
-    store.check()
+        rest = url[match.end() :]
+        if scheme == "file":
+            if not rest.strip("/"):
+                raise InputError(f"'{url}' names no folder")
+            path = str(Path(rest).expanduser().absolute())
+            store = LocalStore(url, fsspec.filesystem("file"), path)
+        elif scheme in ("s3", "s3a"):
+            bucket = rest.strip("/").split("/", 1)[0]
+            if not bucket:
+                raise InputError(f"'{url}' names no bucket; use s3://BUCKET[/PREFIX]")
+            if not _BUCKET.match(bucket) or "//" in rest.strip("/"):
+                raise InputError(f"'{url}' is not a valid S3 URL (s3://BUCKET[/PREFIX])")
+            store = S3Store(url, _s3_filesystem(endpoint_url), rest.strip("/"))
+        else:
+            if not rest.strip("/"):
+                raise InputError(f"'{url}' names no store; use memory://NAME")
+            fs = fsspec.filesystem("memory")
+            store = Store(url, fs, fs._strip_protocol(url))
+    store.check(create)
     return store
+
+
+def check_endpoint_url(endpoint_url: str | None) -> str | None:
+    """``endpoint_url`` if it is an http(s) URL with a host; :class:`InputError` otherwise."""
+    if endpoint_url is None:
+        return None
+    try:
+        parts = urlsplit(endpoint_url)
+        parts.port  # noqa: B018 (raises ValueError for a bad port)
+    except (ValueError, TypeError, AttributeError):
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(
+            f"{endpoint_url!r} is not an endpoint URL; give http(s)://HOST[:PORT], "
+            "for example http://127.0.0.1:9000"
+        )
+    return endpoint_url
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an exception s3fs translated, if any."""
+    response = getattr(exc.__cause__, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
 
 def _s3_filesystem(endpoint_url: str | None) -> Any:
     import s3fs
 
-    endpoint = (
+    endpoint = check_endpoint_url(
         endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     )
     config: dict[str, Any] = {

@@ -10,6 +10,8 @@ print(ctx.generate("How do I edit a file in place?").text)
 ctx = sdk.load_contexts(["sed-manual", "grep-manual"], store="s3://bucket/kv")
 """
 
+from kvcdn.signing import TrustPolicy
+
 from .blend import BlendedContext, load_contexts
 from .context import Answer, Context, LoadPlan, answer_with_prefill, forget_links, load_context
 from .edges import EdgeAdmin, EdgeStore, plan_warm, rendezvous
@@ -21,6 +23,7 @@ __all__ = [
     "EdgeAdmin",
     "EdgeStore",
     "LoadPlan",
+    "TrustPolicy",
     "answer_with_prefill",
     "forget_links",
     "load_context",

@@ -22,12 +22,23 @@ from typing import Any
 
 from kvcdn.blend import BlendReport, Piece
 from kvcdn.blend import blend as blend_caches
-from kvcdn.errors import FingerprintMismatch, InputError
+from kvcdn.errors import ArgumentError, FingerprintMismatch, InputError
 from kvcdn.manifest import Manifest
 from kvcdn.models import LoadedModel, crop_cache, kv_from_cache, load_model
+from kvcdn.signing import TrustPolicy
 from kvcdn.store import Reader
 
-from .context import AUTO, Answer, Context, LoadPlan, load_context, open_reader, resolve_manifest
+from . import checks
+from .context import (
+    AUTO,
+    Answer,
+    Context,
+    LoadPlan,
+    check_against_model,
+    load_context,
+    open_reader,
+    resolve_manifest,
+)
 from .devspeed import is_known
 
 #: The fraction of the documents' tokens recomputed by default (the paper's choice).
@@ -68,9 +79,9 @@ class BlendedContext(Context):
     def _question_ids(self, question: str) -> list[int]:
         return self.model.question_ids(question, documents=len(self.manifests))
 
-    def generate(self, question: str, *, max_new_tokens: int = 64) -> Answer:
+    def _answer(self, q_ids: list[int], max_new_tokens: int) -> Answer:
         asked, self._asked = self._asked, None
-        if asked is not None and question.strip() and self._question_ids(question) == asked[0]:
+        if asked is not None and q_ids == asked[0]:
             # the blend computed this question already: answer from its logits
             try:
                 out, ttft, logits = self.model.greedy(
@@ -80,7 +91,7 @@ class BlendedContext(Context):
                 crop_cache(self.cache, len(self.token_ids))
             return Answer(self.model.decode(out), out, ttft, logits)
         crop_cache(self.cache, len(self.token_ids))  # without the blend's question, if any
-        return super().generate(question, max_new_tokens=max_new_tokens)
+        return super()._answer(q_ids, max_new_tokens)
 
 
 def load_contexts(
@@ -98,6 +109,7 @@ def load_contexts(
     endpoint_url: str | None = None,
     edges: list[str] | None = None,
     edge_token: str | None = None,
+    trust: TrustPolicy | str | Path | None = None,
 ) -> BlendedContext:
     """Load several published documents into one cache, to answer from all of them.
 
@@ -120,25 +132,31 @@ def load_contexts(
     tokens recomputed are those whose deviation matters most to this
     question (weighted by the attention it pays them over the reused cache).
     The context still answers any question; it is closest to a full prefill
-    for this one.
+    for this one. ``trust`` is as for ``load_context``.
     """
     started = time.perf_counter()
-    sources = list(sources)
+    if isinstance(sources, (str, Path)) or not isinstance(sources, Sequence):
+        raise ArgumentError(f"sources must be a list of documents, not {type(sources).__name__}")
+    sources = [checks.source(s, "each source") for s in sources]
     if not sources:
         raise InputError("no documents to load")
-    if not 0.0 <= recompute_ratio <= 1.0:
-        raise InputError(f"recompute_ratio must be between 0 and 1, not {recompute_ratio!r}")
-    if deadline_s is not None and not deadline_s > 0:
-        raise InputError(f"deadline_s must be a positive number of seconds, not {deadline_s!r}")
-    if question is not None and not question.strip():
-        raise InputError("the question is empty")
-    reader = open_reader(store, endpoint_url=endpoint_url, edges=edges, edge_token=edge_token)
+    recompute_ratio = checks.ratio(recompute_ratio, "recompute_ratio")
+    deadline_s = checks.deadline(deadline_s)
+    quality = checks.quality(quality)
+    checks.model(model)
+    checks.optional_string(separator, "separator")
+    if question is not None:
+        checks.question(question, 1 << 20)  # its tokens are checked against the window below
+    trust = checks.trust(trust)
+    reader = open_reader(
+        store, endpoint_url=endpoint_url, edges=edges, edge_token=edge_token, trust=trust
+    )
 
     # Every manifest first: a mismatch is refused before anything is loaded.
     loaded = model if isinstance(model, LoadedModel) else None
     manifests: list[Manifest] = []
     for source in sources:
-        manifest, got, model_s = resolve_manifest(source, reader, loaded or model, device)
+        manifest, got, model_s = resolve_manifest(source, reader, loaded or model, device, trust)
         started += model_s  # loading the model is a one-off cost, not part of the load
         loaded = loaded or got
         manifests.append(manifest)
@@ -147,13 +165,8 @@ def load_contexts(
         t = time.perf_counter()
         loaded = load_model(model or manifests[0].model_name, device)
         started += time.perf_counter() - t
-    if loaded.fingerprint != manifests[0].model_fingerprint:
-        m = manifests[0]
-        raise FingerprintMismatch(
-            f"the documents hold KV of model {m.model_name} (fingerprint "
-            f"{m.model_fingerprint[:12]}), not of {loaded.name} ({loaded.fingerprint[:12]}); "
-            "load them with the model they were published with"
-        )
+    for manifest in manifests:
+        check_against_model(manifest, loaded)
 
     # The layout: the first document whole (its framing included), then for
     # each next one a separator and its tokens after its framing.
@@ -169,6 +182,10 @@ def load_contexts(
         strips.append(strip)
         token_ids += ids[strip:]
     loaded.check_fits(len(token_ids))
+    query_ids = None
+    if question is not None:
+        query_ids = loaded.question_ids(question, documents=len(manifests))
+        loaded.check_fits(len(token_ids) + len(query_ids))
 
     share = None if deadline_s is None else deadline_s / len(manifests)
 
@@ -180,6 +197,7 @@ def load_contexts(
             quality=quality,
             deadline_s=share,
             device=device,
+            trust=trust,
         )
 
     first: list[Context] = []
@@ -202,9 +220,6 @@ def load_contexts(
             out.append(Piece(ctx.token_ids[strip:], kv[:, :, :, strip:], strip))
         return out
 
-    query_ids = None
-    if question is not None:
-        query_ids = loaded.question_ids(question, documents=len(manifests))
     try:
         blended = blend_caches(
             loaded,

@@ -13,14 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvcdn import catalog
 from kvcdn.codec import RANS_CODEC, TEXT_LEVEL
-from kvcdn.errors import FingerprintMismatch, FormatError, InputError, NotFound
+from kvcdn.errors import DocumentTooLong, FingerprintMismatch, FormatError, InputError, NotFound
+from kvcdn.keys import NAME_PATTERN
 from kvcdn.kv import split_chunks
-from kvcdn.manifest import NAME_PATTERN, Manifest
+from kvcdn.manifest import Manifest, ObjectRef
 from kvcdn.models import LoadedModel, crop_cache, load_model
 from kvcdn.profiles import load_profile
 from kvcdn.publish import document_text, read_document, source_digest
+from kvcdn.signing import TrustPolicy
 from kvcdn.store import Reader, Store, open_store
 
+from . import checks
 from .devspeed import device_speed
 from .edges import Cancel, EdgeStore
 from .planner import INITIAL_BPS, HarmonicPredictor, Policy, ThroughputPredictor, plan
@@ -70,6 +73,10 @@ class LoadPlan:
     feasible: bool = True
     replans: int = 0
     cancelled: int = 0  # fetches abandoned because they could no longer make the deadline
+    #: Who signed the manifest (``Signer.to_json()``), or None when it is unsigned.
+    signed_by: dict[str, Any] | None = None
+    #: Edges that served bytes failing verification during the load (each was skipped).
+    rejected: list[str] = field(default_factory=list)
 
     @property
     def mean_quality(self) -> float | None:
@@ -106,10 +113,26 @@ class Context:
         return self.model.question_ids(question)
 
     def generate(self, question: str, *, max_new_tokens: int = 64) -> Answer:
-        """Answer ``question`` about the document (greedy decoding)."""
-        if not question.strip():
-            raise InputError("the question is empty")
+        """Answer ``question`` about the document (greedy decoding).
+
+        The document, the question and ``max_new_tokens`` must fit the model's
+        context window together (:class:`~kvcdn.errors.DocumentTooLong` at once
+        otherwise).
+        """
+        window = self.model.context_window
+        question = checks.question(question, window)
+        max_new_tokens = checks.count(max_new_tokens, "max_new_tokens", 1, window)
         q_ids = self._question_ids(question)
+        needed = len(self.token_ids) + len(q_ids) + max_new_tokens
+        if needed > window:
+            raise DocumentTooLong(
+                f"the question is {len(q_ids):,} tokens: with the {len(self.token_ids):,} "
+                f"tokens before it and up to {max_new_tokens} answer tokens that is "
+                f"{needed:,}, more than {self.model.name}'s context window of {window:,}"
+            )
+        return self._answer(q_ids, max_new_tokens)
+
+    def _answer(self, q_ids: list[int], max_new_tokens: int) -> Answer:
         try:
             out, ttft, logits = self.model.greedy(self.cache, q_ids, max_new_tokens)
         finally:
@@ -136,17 +159,24 @@ def open_reader(
     endpoint_url: str | None = None,
     edges: list[str] | None = None,
     edge_token: str | None = None,
+    trust: TrustPolicy | None = None,
 ) -> Reader:
-    """What ``load_context`` reads through: the edges (falling back to ``store``) or the store."""
-    if edges:
+    """What ``load_context`` reads through: the edges (falling back to ``store``) or the store.
+
+    Without ``trust``, manifests and pointers are read from ``store`` when one
+    is given, not from the edges: only the origin decides which objects load.
+    """
+    checks.store(store)
+    checks.optional_string(endpoint_url, "endpoint_url")
+    if edges is not None:
         origin = None
         if isinstance(store, Store):
             origin = store
         elif isinstance(store, str):
-            origin = open_store(store, endpoint_url=endpoint_url)
-        return EdgeStore(edges, origin, token=edge_token)
+            origin = open_store(store, endpoint_url=endpoint_url, create=False)
+        return EdgeStore(edges, origin, token=edge_token, documents_from_origin=trust is None)
     if store is None or isinstance(store, str):
-        return open_store(store, endpoint_url=endpoint_url)
+        return open_store(store, endpoint_url=endpoint_url, create=False)
     return store  # a Store, or an EdgeStore the caller configured
 
 
@@ -155,33 +185,61 @@ def resolve_manifest(
     reader: Reader,
     model: str | LoadedModel | None,
     device: str | None = None,
+    trust: TrustPolicy | None = None,
 ) -> tuple[Manifest, LoadedModel | None, float]:
     """The manifest ``source`` names (``name[@version]``, a document path or its text).
 
     A document's text is found by its digest for a model, so that path loads
-    the model (``model``, or the default) first. Returns the manifest, the
-    model if loaded (or given), and the seconds spent loading it.
+    the model (``model``, or the default) first; the manifest found must say
+    it was published from that very text. Returns the manifest, the model if
+    loaded (or given), and the seconds spent loading it.
     """
+    source = checks.source(source)
     loaded = model if isinstance(model, LoadedModel) else None
     model_s = 0.0
-    if isinstance(source, Path) or (isinstance(source, str) and _is_existing_file(source)):
+    if isinstance(source, Path) or _is_existing_file(source):
         text, what = read_document(source), str(source)
-    elif isinstance(source, str) and _REF.match(source.strip()):
+    elif _REF.match(source.strip()):
         name, version = catalog.parse_ref(source.strip())
-        return catalog.read_manifest(reader, name, version), loaded, model_s
+        return catalog.read_manifest(reader, name, version, trust=trust), loaded, model_s
     else:
-        text, what = document_text(str(source).encode("utf-8"), "the text"), "the text"
+        text, what = document_text(source.encode("utf-8"), "the text"), "the text"
     if loaded is None:
         t = time.perf_counter()
         loaded = load_model(model if isinstance(model, str) else None, device)
         model_s = time.perf_counter() - t
-    found = catalog.find_by_source(reader, loaded.fingerprint, source_digest(text))
+    found = catalog.find_by_source(reader, loaded.fingerprint, source_digest(text), trust=trust)
     if found is None:
         raise NotFound(
             f"{what} has not been published for model {loaded.name} in {reader.url}; "
             "publish it first (kvcdn publish)"
         )
-    return catalog.read_manifest(reader, *found), loaded, model_s
+    return found, loaded, model_s
+
+
+def check_against_model(manifest: Manifest, loaded: LoadedModel) -> None:
+    """Refuse KV that this model cannot hold, before anything is allocated for it:
+    another model's, a layout that differs from the model's, more tokens than its
+    context window, token ids outside its vocabulary."""
+    if loaded.fingerprint != manifest.model_fingerprint:
+        raise FingerprintMismatch(
+            f"{manifest.ref} holds KV of model {manifest.model_name} "
+            f"(fingerprint {manifest.model_fingerprint[:12]}), not of {loaded.name} "
+            f"({loaded.fingerprint[:12]}); load it with the model it was published with"
+        )
+    layout = loaded.layout
+    mine = (layout.layers, layout.kv_heads, layout.head_dim)
+    theirs = tuple(manifest.kv_layout[k] for k in ("layers", "kv_heads", "head_dim"))
+    if theirs != mine:
+        raise FormatError(
+            f"{manifest.ref} describes KV of {theirs[0]} layers x {theirs[1]} heads x "
+            f"{theirs[2]}, but {loaded.name} has {mine[0]} x {mine[1]} x {mine[2]}: "
+            "the manifest is inconsistent"
+        )
+    loaded.check_fits(manifest.token_count)
+    vocab = loaded.vocab_size
+    if any(t >= vocab for c in manifest.chunks for t in c.tokens):
+        raise FormatError(f"{manifest.ref} holds token ids outside {loaded.name}'s vocabulary")
 
 
 def load_context(
@@ -197,6 +255,7 @@ def load_context(
     edge_token: str | None = None,
     predictor: ThroughputPredictor | None = None,
     policy: Policy | None = None,
+    trust: TrustPolicy | str | Path | None = None,
 ) -> Context:
     """Load a published document's KV into a model cache.
 
@@ -220,27 +279,33 @@ def load_context(
     ``predictor`` replaces the link's throughput predictor (by default one
     per source, kept for the process: RobustMPC's harmonic mean), and
     ``policy`` the planner (:func:`kvcdn.sdk.planner.plan`).
+
+    ``trust`` (a :class:`~kvcdn.signing.TrustPolicy` or a trust file's path)
+    loads only KV whose manifest is signed by a trusted publisher key, and
+    never an older latest version than one already seen (keep one
+    ``TrustPolicy`` across loads for that). Without it, unsigned documents
+    load as before, and edges serve only what the origin's manifest names.
     """
     started = time.perf_counter()
-    if deadline_s is not None and not deadline_s > 0:
-        raise InputError(f"deadline_s must be a positive number of seconds, not {deadline_s!r}")
-    quality = (quality or AUTO).strip().lower()
+    deadline_s = checks.deadline(deadline_s)
+    quality = checks.quality(quality)
+    checks.model(model)
+    checks.optional_string(device, "device")
+    trust = checks.trust(trust)
     seconds: dict[str, float] = {}
-    reader = open_reader(store, endpoint_url=endpoint_url, edges=edges, edge_token=edge_token)
+    reader = open_reader(
+        store, endpoint_url=endpoint_url, edges=edges, edge_token=edge_token, trust=trust
+    )
+    rejected_before = len(getattr(reader, "rejected", ()))
     timed = _TimedReader(reader)
-    manifest, loaded, model_s = resolve_manifest(source, timed, model, device)
+    manifest, loaded, model_s = resolve_manifest(source, timed, model, device, trust)
     started += model_s  # loading the model is a one-off cost, not part of resolving
     if loaded is None:
         t_model = time.perf_counter()
         loaded = load_model(model or manifest.model_name, device)
         started += time.perf_counter() - t_model
     seconds["resolve"] = time.perf_counter() - started
-    if loaded.fingerprint != manifest.model_fingerprint:
-        raise FingerprintMismatch(
-            f"{manifest.name}@{manifest.version} holds KV of model {manifest.model_name} "
-            f"(fingerprint {manifest.model_fingerprint[:12]}), not of {loaded.name} "
-            f"({loaded.fingerprint[:12]}); load it with the model it was published with"
-        )
+    check_against_model(manifest, loaded)
     _check_quality(manifest, quality)
     if predictor is None:
         predictor = _link_predictor(reader.url)
@@ -248,7 +313,10 @@ def load_context(
             # from the default prior each time: a slow resolve must not lower it for good
             predictor.initial_bps = timed.throughput_bound(INITIAL_BPS)
     load = _Load(manifest, loaded, reader, quality, deadline_s, started, seconds)
-    return load.run(predictor, policy or plan)
+    context = load.run(predictor, policy or plan)
+    context.plan.signed_by = manifest.signer.to_json() if manifest.signer else None
+    context.plan.rejected = [str(r) for r in getattr(reader, "rejected", ())[rejected_before:]]
+    return context
 
 
 class _TimedReader:
@@ -265,9 +333,9 @@ class _TimedReader:
         self.inner = inner
         self.reads: list[tuple[int, float]] = []
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, **kwargs: Any) -> bytes:
         t = time.perf_counter()
-        data = self.inner.get(key)
+        data = self.inner.get(key, **kwargs)
         self.reads.append((len(data), time.perf_counter() - t))
         return data
 
@@ -343,7 +411,7 @@ def _is_existing_file(source: str) -> bool:
         return False
     try:
         return Path(source).expanduser().is_file()
-    except OSError:
+    except (OSError, ValueError):  # a name too long for the system, a NUL byte
         return False
 
 
@@ -482,14 +550,18 @@ class _Load:
         if isinstance(reader, EdgeStore):
             edges = reader
 
-            def fetch_edge(key: str, on_bytes: Any, cancel: Cancel) -> tuple[bytes, str]:
-                got = edges.fetch(key, placement, on_bytes=on_bytes, cancel=cancel)
+            def fetch_edge(ref: ObjectRef, on_bytes: Any, cancel: Cancel) -> tuple[bytes, str]:
+                got = edges.fetch(
+                    ref.key, placement, on_bytes=on_bytes, cancel=cancel,
+                    max_bytes=ref.bytes, check=ref.check,
+                )  # fmt: skip
                 return got.data, got.source
 
             return fetch_edge
 
-        def fetch_store(key: str, on_bytes: Any, cancel: Cancel) -> tuple[bytes, str]:
-            data = reader.get(key)  # a store read cannot be interrupted; it is short
+        def fetch_store(ref: ObjectRef, on_bytes: Any, cancel: Cancel) -> tuple[bytes, str]:
+            # a store read cannot be interrupted; it is short
+            data = reader.get(ref.key, max_bytes=ref.bytes, check=ref.check)
             on_bytes(len(data))
             return data, reader.url
 

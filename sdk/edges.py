@@ -8,8 +8,13 @@ edge moves only the documents that now weigh most on it. A document's
 manifest is placed by its name, the one thing known before the manifest is.
 
 :class:`EdgeStore` reads keys from the placed edges in order, moving on after
-a connection error, a timeout or a 5xx, and finally from the origin store if
-one is given. Each read reports its source.
+a connection error, a timeout, a 5xx, a 404, a body larger than the caller
+expects or too slow to arrive, or bytes that fail the caller's check (a
+checksum, a signature), and finally from the origin store if one is given.
+Each read reports its source, and :attr:`EdgeStore.rejected` lists the edges
+that served bad bytes. An edge can lie; the origin is the authority: a reader
+without trust keys (:mod:`kvcdn.signing`) reads manifests and pointers from
+the origin when it has one, so that no edge decides which objects it loads.
 """
 
 from __future__ import annotations
@@ -29,18 +34,26 @@ from urllib.parse import quote
 
 import urllib3
 
-from kvcdn.errors import InputError, NotFound, StoreError
-from kvcdn.manifest import Manifest, manifest_key
-from kvcdn.store import Store
+from kvcdn.errors import AccessDenied, InputError, KvcdnError, NotFound, StoreError
+from kvcdn.keys import manifest_key, parse_key
+from kvcdn.manifest import MAX_OBJECT_BYTES, Manifest
+from kvcdn.store import Check, Store
 
 log = logging.getLogger(__name__)
 
 DOWN_S = 5.0  # after a connection failure, an edge is tried last for this long
+BAD_BYTES_DOWN_S = 60.0  # and after it served bad bytes, for this long
 PIECE = 64 << 10  # bodies are read in pieces of this size, reporting progress
+MIN_BODY_BPS = 32 << 10  # a body arriving slower than this on average is abandoned
+MAX_LISTING_BYTES = 16 << 20  # one page of a listing
 
 
 class FetchCancelled(Exception):
     """A fetch stopped because its caller cancelled it."""
+
+
+class _EdgeFailed(Exception):
+    """One edge could not serve one key; the next source is tried."""
 
 
 class Cancel:
@@ -76,7 +89,8 @@ class Cancel:
 
 
 _EDGE_URL = re.compile(r"^https?://[^/\s?#]+(/[^\s?#]*)?$")
-_DOC_KEY = re.compile(r"^docs/([^/]+)/")
+#: Keys that say which objects to load; read from the origin by untrusting readers.
+_DOCUMENT_KINDS = ("manifest", "pointer", "index", "profile-pointer")
 
 
 def rendezvous(edges: Sequence[str], key: str) -> list[str]:
@@ -90,15 +104,23 @@ def rendezvous(edges: Sequence[str], key: str) -> list[str]:
 
 
 def placement_key(key: str) -> str:
-    """What a store key is placed by when the caller gives nothing better."""
-    match = _DOC_KEY.match(key)
-    return match.group(1) if match else key
+    """What a store key is placed by when the caller gives nothing better: a document's
+    name for its manifests and pointer, else the key itself."""
+    info = parse_key(key)
+    return info.name if info is not None and info.name else key
 
 
 def check_edges(edges: Sequence[str]) -> list[str]:
     """Normalised edge URLs; :class:`InputError` for anything that is not one."""
+    if isinstance(edges, (str, bytes)) or not isinstance(edges, Sequence):
+        raise InputError(
+            f"edges must be a list of edge URLs, not {type(edges).__name__} "
+            "(for one edge, give [url])"
+        )
     out = []
     for edge in edges:
+        if not isinstance(edge, str):
+            raise InputError(f"an edge URL must be a string, not {type(edge).__name__}")
         url = edge.strip().rstrip("/")
         if not _EDGE_URL.match(url):
             raise InputError(f"{edge!r} is not an edge URL (http://host:port)")
@@ -117,12 +139,25 @@ class Fetched:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Rejected:
+    """An edge that served bytes failing the reader's check (or too many, or too slowly)."""
+
+    edge: str
+    key: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.edge} served bad bytes for {self.key}: {self.reason}"
+
+
 class EdgeStore:
     """Store keys read through edges, with failover to the next edge and to ``origin``.
 
-    It reads like a :class:`~kvcdn.store.Store` (``get``, ``get_many``,
-    ``exists``, ``list``), so documents resolve through it unchanged, and
-    :meth:`fetch_many` also says which source served each key.
+    It reads like a :class:`~kvcdn.store.Store` (``get``, ``list``), so
+    documents resolve through it unchanged, and :meth:`fetch` also says which
+    source served a key. ``documents_from_origin`` reads manifests and
+    pointers from ``origin`` (when given) rather than from the edges.
     """
 
     def __init__(
@@ -134,11 +169,21 @@ class EdgeStore:
         connect_timeout_s: float = 1.0,
         read_timeout_s: float = 30.0,
         concurrency: int = 8,
+        documents_from_origin: bool = False,
+        min_body_bps: float = MIN_BODY_BPS,
     ) -> None:
         self.edges = check_edges(edges)
+        if origin is not None and not isinstance(origin, Store):
+            raise InputError(f"origin must be a Store, not {type(origin).__name__}")
+        if token is not None and not isinstance(token, str):
+            raise InputError(f"edge_token must be a string, not {type(token).__name__}")
         self.origin = origin
         self.url = ", ".join(self.edges) + (f" (origin {origin.url})" if origin else "")
+        self.scope = origin.url if origin is not None else ", ".join(sorted(self.edges))
         self.concurrency = concurrency
+        self.read_timeout_s = read_timeout_s
+        self.min_body_bps = min_body_bps
+        self.documents_from_origin = documents_from_origin and origin is not None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = urllib3.PoolManager(
             num_pools=max(4, len(self.edges)),
@@ -148,6 +193,8 @@ class EdgeStore:
         )
         self._down: dict[str, float] = {}
         self._lock = threading.Lock()
+        #: Edges that served bad bytes, in the order it happened (most recent 100).
+        self.rejected: list[Rejected] = []
 
     def __repr__(self) -> str:
         return f"EdgeStore({self.url!r})"
@@ -160,6 +207,16 @@ class EdgeStore:
         ranked = rendezvous(self.edges, placement)
         return [e for e in ranked if e not in down] + [e for e in ranked if e in down]
 
+    def _mark_down(self, edge: str, seconds: float) -> None:
+        with self._lock:
+            self._down[edge] = time.monotonic() + seconds
+
+    def _reject(self, edge: str, key: str, reason: str) -> None:
+        self._mark_down(edge, BAD_BYTES_DOWN_S)
+        with self._lock:
+            self.rejected = [*self.rejected[-99:], Rejected(edge, key, reason)]
+        log.error("edge %s served bad bytes for %s, trying the next source: %s", edge, key, reason)
+
     # ---- reading ---------------------------------------------------------------
     def fetch(
         self,
@@ -168,15 +225,26 @@ class EdgeStore:
         *,
         on_bytes: Callable[[int], None] | None = None,
         cancel: Cancel | None = None,
+        max_bytes: int | None = None,
+        check: Check | None = None,
     ) -> Fetched:
-        """Read ``key`` from the first edge that serves it (then the origin).
+        """Read ``key`` from the first edge that serves it well (then the origin).
 
-        The body is read in pieces: ``on_bytes(n)`` is called as each piece
-        arrives, and setting ``cancel`` stops the read (:class:`FetchCancelled`).
-        A body cut short counts as a failure of that edge.
+        At most ``max_bytes`` are read from any source (default: the largest
+        object a manifest may name), and ``check`` must pass on them. The body
+        is read in pieces: ``on_bytes(n)`` is called as each piece arrives, and
+        setting ``cancel`` stops the read (:class:`FetchCancelled`).
         """
         started = time.perf_counter()
-        failures = []
+        limit = MAX_OBJECT_BYTES if max_bytes is None else max_bytes
+        info = parse_key(key)
+        if self.documents_from_origin and info is not None and info.kind in _DOCUMENT_KINDS:
+            assert self.origin is not None
+            data = self.origin.get(key, max_bytes=limit, check=check)
+            return Fetched(key, data, "origin", time.perf_counter() - started)
+        failures: list[str] = []
+        bad: list[KvcdnError] = []  # bytes served that failed ``check``
+        missing = refused = 0
         for edge in self.order(placement or placement_key(key)):
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled
@@ -184,49 +252,93 @@ class EdgeStore:
                 resp = self._http.request(
                     "GET", f"{edge}/{quote(key)}", headers=self._headers, preload_content=False
                 )
-                if resp.status == 200:
-                    data = self._read_body(resp, on_bytes, cancel)
-                    return Fetched(key, data, edge, time.perf_counter() - started)
-                body = resp.read(300)
-                resp.drain_conn()  # the rest of an error body, so the connection is reusable
-                resp.release_conn()
             except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
                 if cancel is not None and cancel.is_set():
                     raise FetchCancelled from None  # our own shutdown of the socket
-                with self._lock:
-                    self._down[edge] = time.monotonic() + DOWN_S
+                self._mark_down(edge, DOWN_S)
                 failures.append(f"{edge}: {exc}")
                 log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
                 continue
-            reason = body.decode("utf-8", "replace").strip()
-            if resp.status == 404:
-                raise NotFound(f"{key}: not found (edge {edge}: {reason})")
-            if resp.status in (401, 403):
-                raise StoreError(
-                    f"edge {edge} refused to serve {key} ({resp.status}); check the edge token"
-                )
-            if resp.status < 500:
-                raise StoreError(f"edge {edge} answered {resp.status} for {key}: {reason}")
+            if resp.status == 200:
+                try:
+                    data = self._read_body(resp, limit, on_bytes, cancel)
+                except _EdgeFailed as exc:
+                    self._reject(edge, key, str(exc))
+                    failures.append(f"{edge}: {exc}")
+                    continue
+                except (urllib3.exceptions.HTTPError, OSError) as exc:
+                    if cancel is not None and cancel.is_set():
+                        raise FetchCancelled from None
+                    self._mark_down(edge, DOWN_S)
+                    failures.append(f"{edge}: {exc}")
+                    log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
+                    continue
+                if check is not None:
+                    try:
+                        check(data)
+                    except KvcdnError as exc:
+                        self._reject(edge, key, str(exc))
+                        failures.append(f"{edge}: {exc}")
+                        bad.append(exc)
+                        continue
+                return Fetched(key, data, edge, time.perf_counter() - started)
+            reason = _error_reason(resp)
             failures.append(f"{edge}: {resp.status} {reason}")
+            if resp.status == 404:
+                missing += 1
+            elif resp.status in (401, 403):
+                refused += 1
             log.warning(
                 "edge %s answered %d for %s, trying the next source", edge, resp.status, key
             )
         if self.origin is not None:
-            data = self.origin.get(key)
+            data = self.origin.get(key, max_bytes=limit, check=check)
             if on_bytes is not None:
                 on_bytes(len(data))
             return Fetched(key, data, "origin", time.perf_counter() - started)
+        if bad and len(bad) == len(failures):  # say what was wrong, in its own terms
+            raise type(bad[-1])(f"every edge served bad bytes for {key}: {'; '.join(failures)}")
+        if missing and missing + refused == len(failures):
+            raise NotFound(f"{key}: not found ({'; '.join(failures)})")
+        if refused and refused == len(failures):
+            raise AccessDenied(f"the edges refused to serve {key}; check the edge token")
         raise StoreError(f"no edge could serve {key}: {'; '.join(failures)}")
 
-    @staticmethod
     def _read_body(
-        resp: Any, on_bytes: Callable[[int], None] | None, cancel: Cancel | None
+        self,
+        resp: Any,
+        max_bytes: int,
+        on_bytes: Callable[[int], None] | None,
+        cancel: Cancel | None,
     ) -> bytes:
-        pieces = []
-        if cancel is not None:
-            cancel.bind(resp.shutdown)
+        """The body, at most ``max_bytes`` of it, within a time budget of the read
+        timeout plus ``max_bytes`` at :data:`MIN_BODY_BPS` (a slow drip is cut off)."""
+        too_slow = threading.Event()
+
+        def cut_off() -> None:
+            too_slow.set()
+            try:
+                resp.shutdown()
+            except (OSError, ValueError, RuntimeError):
+                pass
+
+        pieces: list[bytes] = []
+        received = 0
+        watchdog = threading.Timer(self.read_timeout_s + max_bytes / self.min_body_bps, cut_off)
+        watchdog.daemon = True
         try:
+            declared = resp.headers.get("Content-Length")
+            if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+                raise _EdgeFailed(
+                    f"it announced {declared} bytes, more than the {max_bytes} expected"
+                )
+            if cancel is not None:
+                cancel.bind(resp.shutdown)
+            watchdog.start()
             for piece in resp.stream(PIECE):
+                received += len(piece)
+                if received > max_bytes:
+                    raise _EdgeFailed(f"it sent more than the {max_bytes} bytes expected")
                 pieces.append(piece)
                 if on_bytes is not None:
                     on_bytes(len(piece))
@@ -234,10 +346,20 @@ class EdgeStore:
                     raise FetchCancelled
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled  # the shut socket ended the body early
+            if too_slow.is_set():
+                raise _EdgeFailed("its body arrived too slowly")
+        except (urllib3.exceptions.HTTPError, OSError):
+            if too_slow.is_set():
+                raise _EdgeFailed(
+                    f"its body arrived slower than {self.min_body_bps / 1024:.0f} KiB/s"
+                ) from None
+            resp.close()
+            raise
         except BaseException:
             resp.close()  # the rest of the body is unread: the connection cannot be reused
             raise
         finally:
+            watchdog.cancel()
             if cancel is not None:
                 cancel.bind(None)
             resp.release_conn()
@@ -255,18 +377,8 @@ class EdgeStore:
         """A reader that places every key by ``placement`` (a document's chain hash)."""
         return PlacedReader(self, placement)
 
-    def get(self, key: str) -> bytes:
-        return self.fetch(key).data
-
-    def get_many(self, keys: list[str]) -> dict[str, bytes]:
-        return {k: f.data for k, f in self.fetch_many(keys).items()}
-
-    def exists(self, key: str) -> bool:
-        try:
-            self.fetch(key)
-        except NotFound:
-            return False
-        return True
+    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
+        return self.fetch(key, max_bytes=max_bytes, check=check).data
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix``: from the origin when there is one, else an edge's listing."""
@@ -279,18 +391,35 @@ class EdgeStore:
             try:
                 while True:
                     resp = self._http.request(
-                        "GET", f"{edge}/", fields=fields, headers=self._headers
-                    )
+                        "GET", f"{edge}/", fields=fields, headers=self._headers,
+                        preload_content=False,
+                    )  # fmt: skip
                     if resp.status != 200:
-                        raise StoreError(f"answered {resp.status}")
-                    page, token = _parse_listing(resp.data)
+                        raise StoreError(f"answered {resp.status} {_error_reason(resp)}")
+                    page, token = _parse_listing(
+                        self._read_body(resp, MAX_LISTING_BYTES, None, None)
+                    )
                     keys += page
                     if token is None:
                         return sorted(keys)
                     fields["continuation-token"] = token
-            except (urllib3.exceptions.HTTPError, StoreError, ValueError) as exc:
+            except (urllib3.exceptions.HTTPError, OSError, StoreError, _EdgeFailed) as exc:
                 failures.append(f"{edge}: {exc}")
+            except (ET.ParseError, ValueError) as exc:
+                failures.append(f"{edge}: not a listing ({exc})")
         raise StoreError(f"no edge could list {prefix or '/'}: {'; '.join(failures)}")
+
+
+def _error_reason(resp: Any) -> str:
+    """The start of an error body; the rest is drained so the connection is reused."""
+    try:
+        body = resp.read(300)
+        resp.drain_conn()
+    except (urllib3.exceptions.HTTPError, OSError):
+        body = b""
+    finally:
+        resp.release_conn()
+    return body.decode("utf-8", "replace").strip()
 
 
 class PlacedReader:
@@ -300,15 +429,10 @@ class PlacedReader:
         self._edges = edges
         self._placement = placement
         self.url = edges.url
+        self.scope = edges.scope
 
-    def get(self, key: str) -> bytes:
-        return self._edges.fetch(key, self._placement).data
-
-    def get_many(self, keys: list[str]) -> dict[str, bytes]:
-        return {k: f.data for k, f in self._edges.fetch_many(keys, self._placement).items()}
-
-    def exists(self, key: str) -> bool:
-        return self._edges.exists(key)
+    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
+        return self._edges.fetch(key, self._placement, max_bytes=max_bytes, check=check).data
 
     def list(self, prefix: str = "") -> list[str]:
         return self._edges.list(prefix)
@@ -402,7 +526,10 @@ class EdgeAdmin:
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"cannot reach {url}: {exc}") from None
         if resp.status in (401, 403):
-            raise StoreError(f"{url} refused the admin token ({resp.status})")
+            raise AccessDenied(
+                f"{url} refused the admin token ({resp.status}); give the edge's admin token "
+                "(--admin-token-file)"
+            )
         if resp.status not in (200, 202):
             reason = resp.data[:300].decode("utf-8", "replace").strip()
             raise StoreError(f"{url} answered {resp.status}: {reason}")

@@ -18,7 +18,6 @@ a faster plan, it is cancelled and its chunk planned again (a lower level or
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -30,8 +29,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvcdn.codec import decode_chunk
-from kvcdn.errors import FormatError, IntegrityError
-from kvcdn.manifest import ChunkEntry, Manifest
+from kvcdn.errors import FormatError
+from kvcdn.manifest import ChunkEntry, Manifest, ObjectRef
 from kvcdn.models import LoadedModel
 
 from .devspeed import DeviceSpeed
@@ -45,8 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: ``fetch(key, on_bytes, cancel) -> (data, source)``: a source of chunk objects.
-FetchFn = Callable[[str, Callable[[int], None], Cancel], tuple[bytes, str]]
+#: ``fetch(ref, on_bytes, cancel) -> (data, source)``: a source of chunk objects. The
+#: bytes it returns have passed ``ref.check`` (size and sha256, as the manifest says).
+FetchFn = Callable[[ObjectRef, Callable[[int], None], Cancel], tuple[bytes, str]]
 
 TICK_S = 0.02  # how often the controller looks at the link when nothing else happens
 SAMPLE_BYTES = 256 << 10  # a throughput sample spans at least this many bytes ...
@@ -370,12 +370,7 @@ class Pipeline:
 
         def work() -> None:
             try:
-                data, source = self.fetch(ref.key, on_bytes, cancel)
-                if len(data) != ref.bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
-                    raise IntegrityError(
-                        f"object {ref.key} does not match its manifest checksum (corrupted in "
-                        "the store or in transit)"
-                    )
+                data, source = self.fetch(ref, on_bytes, cancel)
                 if not cancel.is_set():
                     c.data, c.source = data, source
                 self.events.put(("fetched", c, attempt))

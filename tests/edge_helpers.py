@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from kvcdn.codec import FIXED_LEVELS, encode_chunk
-from kvcdn.manifest import object_key
+from kvcdn.keys import object_key
 from tests.conftest import free_port
 
 
@@ -29,7 +30,8 @@ def chunk_object(seed: int) -> tuple[str, bytes]:
     kv = torch.from_numpy(rng.standard_normal((4, 2, 2, 256, 64)).astype(np.float32))
     chunk_hash = f"{seed:064x}"
     level = FIXED_LEVELS["fp16"]
-    return object_key(chunk_hash, level.id), encode_chunk(level, kv, chunk_hash)
+    data = encode_chunk(level, kv, chunk_hash)
+    return object_key(chunk_hash, level.id, hashlib.sha256(data).hexdigest()), data
 
 
 class MotoOrigin:

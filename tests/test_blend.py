@@ -12,11 +12,12 @@ from click.testing import CliRunner
 
 from kvcdn import sdk
 from kvcdn.blend import check_positions, position_error, rope_frequencies
-from kvcdn.catalog import pointer_bytes, read_manifest
+from kvcdn.catalog import read_manifest
 from kvcdn.cli.main import cli
 from kvcdn.errors import BlendUnsupported, FingerprintMismatch, InputError
 from kvcdn.kernels.rope import rotate_keys
-from kvcdn.manifest import latest_key, manifest_key
+from kvcdn.keys import latest_key, manifest_key
+from kvcdn.manifest import pointer_bytes
 from kvcdn.models import LoadedModel, crop_cache
 from kvcdn.publish import publish
 from kvcdn.sdk.blend import answer_with_prefill_of

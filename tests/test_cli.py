@@ -119,7 +119,21 @@ def test_demo_runs_on_embedded_defaults(model, tmp_path):
             4,
         ),
         (["ls", "--store", "s3://bucket", "--endpoint-url", "http://127.0.0.1:9"], "failed", 4),
-        (["inspect", "nothing-here"], "no document named 'nothing-here'", 4),
+        (["inspect", "nothing-here"], "there is no store at", 4),
+        # store URLs are parsed strictly: nothing lands in a folder named "s3:"
+        (["ls", "--store", "s3://"], "names no bucket", 2),
+        (["ls", "--store", "s3:/bucket"], "did you mean s3://bucket", 2),
+        (["ls", "--store", "ftp://host/path"], "unsupported store 'ftp://host/path'", 2),
+        (["ls", "--store", "s3://b/kv", "--endpoint-url", "notaurl"], "not an endpoint URL", 2),
+        # names and questions are checked before the model loads (a model that cannot
+        # load would otherwise be the error, exit 3)
+        (["publish", "DOC", "--name", "bad/name", "--model", "/no/model"], "invalid document", 2),
+        (["ask", "bad/name", "Why?", "--model", "/no/model"], "invalid document name", 2),
+        (["ask", "doc", "  ", "--model", "/no/model"], "the question is empty", 2),
+        (["publish", "ODD", "--model", "/no/model"], "cannot make a document name", 2),
+        (["publish", "DOC", "--sign-key", "/no/key", "--model", "/no/model"], "signing key", 2),
+        (["ask", "doc", "Why?", "--trust", "/no/trust"], "cannot read the trust file", 2),
+        (["inspect", "nothing-here", "--store", "DIR"], "no document named 'nothing-here'", 4),
         (["inspect", "bad/name"], "invalid document name", 2),
     ],
 )
@@ -127,11 +141,14 @@ def test_user_mistakes_get_one_line_and_an_exit_code(args, message, code, tmp_pa
     (tmp_path / "empty.md").write_text("")
     (tmp_path / "blob").write_bytes(b"\0\1\2")
     (tmp_path / "doc.md").write_text("A short document.")
+    (tmp_path / "§§§.md").write_text("A document whose file name makes no name.")
     subst = {
         "EMPTY": str(tmp_path / "empty.md"),
         "BINARY": str(tmp_path / "blob"),
         "DOC": str(tmp_path / "doc.md"),
         "MOTO": moto_endpoint,
+        "DIR": str(tmp_path),
+        "ODD": str(tmp_path / "§§§.md"),
     }
     result = run(*[subst.get(a, a) for a in args], env={"KVCDN_STORE": str(tmp_path / "store")})
     assert result.returncode == code, result.stderr
@@ -151,7 +168,7 @@ def test_cli_refuses_kv_of_a_corrupted_object(model, short_text, tmp_path):
     victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
     result = runner.invoke(cli, ["ask", "d", "What is sed?", "--store", str(store)])
     assert result.exit_code == 5
-    assert "does not match its manifest checksum" in result.output
+    assert "does not match the size and sha256 its manifest records" in result.output
 
 
 def test_console_script_is_installed():

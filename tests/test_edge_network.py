@@ -17,7 +17,7 @@ import time
 import pytest
 
 from kvcdn.errors import StoreError
-from kvcdn.manifest import manifest_key
+from kvcdn.keys import manifest_key
 from kvcdn.sdk import load_context
 from kvcdn.sdk.edges import EdgeStore, plan_warm, rendezvous
 from tests.edge_helpers import EdgeProcess, MotoOrigin, get, post_json

@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcdn import jsonfmt, keys
 from kvcdn.codec import FIXED_LEVELS as LEVELS
 from kvcdn.codec import decode_chunk, encode_chunk
 from kvcdn.container import MAGIC, ChunkHeader, pack, unpack
@@ -158,6 +159,10 @@ def test_chain_hashes_share_an_unchanged_prefix_only() -> None:
 # ---- manifest --------------------------------------------------------------------
 
 
+H0, H1, SHA0, SHA1 = "a" * 64, "b" * 64, "c" * 64, "d" * 64
+LEVEL_ID = "fp16-0123456789ab"
+
+
 def _manifest_json() -> dict:
     tokens = list(range(10))
     return {
@@ -172,7 +177,7 @@ def _manifest_json() -> dict:
         "kv_layout": {"layers": 2, "kv_heads": 3, "head_dim": 16, "dtype": "float32"},
         "levels": {
             "fp16": {
-                "id": "fp16-x",
+                "id": LEVEL_ID,
                 "codec": "fp16",
                 "params": {},
                 "total_bytes": 9,
@@ -180,23 +185,27 @@ def _manifest_json() -> dict:
                 "quality": {"kl": 0.001, "ppl_delta_pct": -0.4, "top1_agree": 0.97},
             }
         },
-        "codec_profile": {"key": "profiles/x/y.safetensors", "bytes": 10, "sha256": HASH},
+        "codec_profile": {"key": keys.profile_key(HASH, SHA0), "bytes": 10, "sha256": SHA0},
         "chunks": [
             {
                 "index": 0,
                 "start": 0,
                 "end": 8,
-                "hash": HASH,
+                "hash": H0,
                 "tokens": tokens[:8],
-                "objects": {"fp16": {"key": "k0", "bytes": 5, "sha256": HASH}},
+                "objects": {
+                    "fp16": {"key": keys.object_key(H0, LEVEL_ID, SHA0), "bytes": 5, "sha256": SHA0}
+                },
             },
             {
                 "index": 1,
                 "start": 8,
                 "end": 10,
-                "hash": HASH,
+                "hash": H1,
                 "tokens": tokens[8:],
-                "objects": {"fp16": {"key": "k1", "bytes": 4, "sha256": HASH}},
+                "objects": {
+                    "fp16": {"key": keys.object_key(H1, LEVEL_ID, SHA1), "bytes": 4, "sha256": SHA1}
+                },
             },
         ],
     }
@@ -214,6 +223,10 @@ def test_unknown_schema_version_is_refused() -> None:
         parse_manifest(json.dumps(raw).encode())
 
 
+def _ref(m: dict, i: int = 0) -> dict:
+    return m["chunks"][i]["objects"]["fp16"]
+
+
 @pytest.mark.parametrize(
     "mutate",
     [
@@ -222,9 +235,25 @@ def test_unknown_schema_version_is_refused() -> None:
         lambda m: m["chunks"][0]["tokens"].append(3),
         lambda m: m.update(token_count=11),
         lambda m: m["chunks"][0]["objects"].update(int8={"key": "k", "bytes": 1, "sha256": HASH}),
-        lambda m: m["chunks"][0]["objects"]["fp16"].update(sha256="xyz"),
+        lambda m: _ref(m).update(sha256="xyz"),
         lambda m: m["document"].update(name="../etc"),
         lambda m: m["kv_layout"].update(layers=0),
+        # bounds checked before anyone allocates for them
+        lambda m: m["kv_layout"].update(layers=10**12),
+        lambda m: m["kv_layout"].update(head_dim=3000),
+        lambda m: m["kv_layout"].update(dtype="float128"),
+        lambda m: m["kv_layout"].update(extra=1),
+        lambda m: m.update(token_count=10**9),
+        lambda m: m["chunks"][0]["tokens"].__setitem__(0, 1 << 40),
+        # every object key is the canonical key of its chunk, level and sha256
+        lambda m: _ref(m).update(key="../../../../etc/passwd"),
+        lambda m: _ref(m).update(key=keys.object_key(H1, LEVEL_ID, SHA0)),
+        lambda m: _ref(m).update(key=keys.object_key(H0, LEVEL_ID, SHA1)),
+        lambda m: _ref(m).update(sha256=SHA1),
+        lambda m: m["levels"]["fp16"].update(id="fp16-x"),
+        lambda m: m["levels"]["fp16"].update(id="int8-0123456789ab"),
+        lambda m: m["codec_profile"].update(key="profiles/x/y.safetensors"),
+        lambda m: _ref(m).update(bytes=1 << 40),
     ],
 )
 def test_inconsistent_manifests_are_refused(mutate) -> None:
@@ -232,6 +261,19 @@ def test_inconsistent_manifests_are_refused(mutate) -> None:
     mutate(raw)
     with pytest.raises(FormatError):
         parse_manifest(json.dumps(raw).encode(), name="manifest docs/x")
+
+
+def test_json_bombs_are_refused_before_parsing() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(FormatError, match="nests 100000 levels"):
+        parse_manifest(deep)
+    text = json.dumps(_manifest_json())
+    with pytest.raises(FormatError, match="duplicate key"):
+        parse_manifest(text.replace('"version": 1,', '"version": 1, "version": 2,').encode())
+    with pytest.raises(FormatError, match="NaN"):
+        parse_manifest(text.replace('"bits_per_element": 16.0', '"bits_per_element": NaN').encode())
+    # brackets inside strings are not nesting
+    assert jsonfmt.nesting(json.dumps({"a": "[[[[{{{{" * 100, "b": [[1]]}).encode()) == 3
 
 
 @settings(max_examples=200, deadline=None)

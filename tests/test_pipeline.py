@@ -18,7 +18,7 @@ from kvcdn.errors import (
     ModelError,
     NotFound,
 )
-from kvcdn.manifest import manifest_key
+from kvcdn.keys import manifest_key
 from kvcdn.profile import LADDER
 from kvcdn.publish import publish
 from kvcdn.store import open_store

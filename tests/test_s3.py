@@ -6,7 +6,7 @@ import pytest
 
 from kvcdn import sdk
 from kvcdn.errors import NotFound, StoreError
-from kvcdn.manifest import latest_key, manifest_key
+from kvcdn.keys import latest_key, manifest_key
 from kvcdn.publish import publish
 from kvcdn.store import open_store
 
