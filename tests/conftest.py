@@ -113,9 +113,14 @@ def ceph_endpoint(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(params=["moto", pytest.param("ceph", marks=pytest.mark.ceph)])
 def s3(request: pytest.FixtureRequest):
     """(endpoint URL, credentials) of each S3-compatible server, with a fresh bucket."""
+    yield from s3_target(request, request.param)
+
+
+def s3_target(request: pytest.FixtureRequest, server: str):
+    """A fresh bucket on ``server`` (moto or ceph), its credentials in the environment."""
     import boto3
 
-    if request.param == "moto":
+    if server == "moto":
         endpoint = request.getfixturevalue("moto_endpoint")
         creds = {
             "aws_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
@@ -131,7 +136,7 @@ def s3(request: pytest.FixtureRequest):
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     os.environ["AWS_ACCESS_KEY_ID"] = creds["aws_access_key_id"]
     os.environ["AWS_SECRET_ACCESS_KEY"] = creds["aws_secret_access_key"]
-    yield S3Target(request.param, endpoint, bucket, client)
+    yield S3Target(server, endpoint, bucket, client)
     for key, value in saved.items():
         if value is not None:
             os.environ[key] = value

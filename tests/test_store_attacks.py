@@ -1,0 +1,189 @@
+"""An attacker who can write to the store, against readers with and without trust keys.
+
+The store is a real folder holding documents signed by a real publisher key;
+each attack edits its files as an attacker with write access (and no key)
+would. A reader with the publisher's key in its trust file must refuse, or
+load exactly what was published; every refusal is one line and exit code.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvcdn import sdk
+from kvcdn.catalog import read_manifest
+from kvcdn.errors import FormatError, IntegrityError, RollbackError, TrustError
+from kvcdn.keys import latest_key, manifest_key, source_index_key
+from kvcdn.manifest import pointer_bytes
+from kvcdn.publish import publish, source_digest
+from kvcdn.signing import SigningKey, TrustPolicy
+from kvcdn.store import open_store
+
+LEVEL = "int8"
+
+
+@pytest.fixture(scope="module")
+def origin(model, sed_text, tmp_path_factory):
+    """A store with two signed documents (the victim in two versions): the pristine copy."""
+    base = tmp_path_factory.mktemp("attacks")
+    root = base / "store"
+    key = SigningKey.generate("publisher")
+    key_file = base / "publisher.key"
+    key.save(key_file)
+    store = open_store(str(root))
+    first, second = sed_text[:2500], sed_text[:2500] + "\nA paragraph added later.\n"
+    publish(text=first, name="victim", model=model, store=store, levels=LEVEL, sign_keys=[key])
+    publish(text=second, name="victim", model=model, store=store, levels=LEVEL, sign_keys=[key])
+    donor = sed_text[4000:6500]
+    publish(text=donor, name="donor", model=model, store=store, levels=LEVEL, sign_keys=[key])
+    return root, key, base / "publisher.key.pub", {"first": first, "second": second}
+
+
+@pytest.fixture
+def attacked(origin, tmp_path):
+    """A fresh copy of the store for one attack."""
+    root, key, trust_file, texts = origin
+    copy = tmp_path / "store"
+    shutil.copytree(root, copy)
+    return copy, key, trust_file, texts
+
+
+def _payload(path) -> dict:
+    raw = json.loads(path.read_bytes())
+    return json.loads(base64.b64decode(raw["payload"])) if "payloadType" in raw else raw
+
+
+def _cli(*args: str, env_home) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(env_home), "XDG_STATE_HOME": str(env_home)}
+    return subprocess.run(
+        [sys.executable, "-m", "kvcdn.cli.main", *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+
+
+def _one_line(result: subprocess.CompletedProcess, code: int, text: str) -> None:
+    assert result.returncode == code, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], lines
+
+
+def test_swapped_manifest_with_its_name_edited(attacked, model, tmp_path):
+    root, key, trust_file, _ = attacked
+    forged = _payload(root / manifest_key("donor", 1))
+    forged["document"]["name"], forged["version"] = "victim", 2
+    (root / manifest_key("victim", 2)).write_text(json.dumps(forged))
+    trust = TrustPolicy([key.public])
+    with pytest.raises(TrustError, match="not signed"):
+        sdk.load_context("victim", model=model, store=str(root), trust=trust)
+    result = _cli("inspect", "victim@2", "--store", str(root), "--trust", str(trust_file),
+                  env_home=tmp_path)  # fmt: skip
+    _one_line(result, 6, "is not signed")
+    # Without trust keys the store is believed: the forgery loads, and says it is unsigned.
+    ctx = sdk.load_context("victim@2", model=model, store=str(root), quality=LEVEL)
+    assert ctx.manifest.signer is None and ctx.plan.signed_by is None
+
+
+def test_forged_object_with_a_recomputed_manifest_hash(attacked, model):
+    root, key, _, _ = attacked
+    path = root / manifest_key("victim", 2)
+    manifest = _payload(path)
+    ref = manifest["chunks"][1]["objects"][LEVEL]
+    donor_ref = _payload(root / manifest_key("donor", 1))["chunks"][1]["objects"][LEVEL]
+    ref.update(donor_ref | {"key": ref["key"].rsplit(".", 2)[0] + f".{donor_ref['sha256']}.kvc"})
+    shutil.copy(root / donor_ref["key"], root / ref["key"])
+    path.write_text(json.dumps(manifest))  # unsigned now: the attacker has no key
+    with pytest.raises(TrustError):
+        sdk.load_context("victim@2", model=model, store=str(root), trust=TrustPolicy([key.public]))
+    # Unsigned readers still catch the object: its header names another chunk.
+    with pytest.raises(FormatError):
+        sdk.load_context("victim@2", model=model, store=str(root), quality=LEVEL)
+
+
+def test_rewritten_source_index_entry(attacked, model, tmp_path):
+    root, _, _, texts = attacked
+    entry = root / source_index_key(model.fingerprint, source_digest(texts["second"]))
+    entry.write_bytes(pointer_bytes("donor", 1))
+    doc = tmp_path / "victim.md"
+    doc.write_text(texts["second"])
+    for trust in (None, TrustPolicy([attacked[1].public])):
+        with pytest.raises(IntegrityError, match="the index entry was altered"):
+            sdk.load_context(str(doc), model=model, store=str(root), trust=trust)
+
+
+def test_edited_and_replayed_pointers(attacked, model, tmp_path):
+    root, key, trust_file, _ = attacked
+    store = open_store(str(root))
+    trust = TrustPolicy([key.public])
+    assert read_manifest(store, "victim", trust=trust).version == 2  # seen: 2
+    latest = root / latest_key("victim")
+    signed_v2 = latest.read_bytes()
+
+    # An unsigned pointer to version 1: not believed; the listing says 2.
+    latest.write_bytes(pointer_bytes("victim", 1))
+    assert read_manifest(store, "victim", trust=trust).version == 2
+
+    # A pointer whose signature no longer covers its bytes.
+    raw = json.loads(signed_v2)
+    raw["payload"] = base64.b64encode(pointer_bytes("victim", 1)).decode()
+    latest.write_text(json.dumps(raw))
+    assert read_manifest(store, "victim", trust=trust).version == 2
+
+    # Version 2 hidden as well: nothing as new as what this reader has seen.
+    (root / manifest_key("victim", 2)).unlink()
+    with pytest.raises(RollbackError, match="already seen victim@2"):
+        read_manifest(store, "victim", trust=trust)
+    # A new reader has seen nothing: version 1, correctly signed, is what it gets.
+    assert read_manifest(store, "victim", trust=TrustPolicy([key.public])).version == 1
+
+
+def test_cli_remembers_the_newest_version_across_runs(attacked, tmp_path):
+    root, _, trust_file, _ = attacked
+    home = tmp_path / "home"
+    args = ("inspect", "victim", "--store", str(root), "--trust", str(trust_file), "--json")
+    first = _cli(*args, env_home=home)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["version"] == 2
+    assert json.loads(first.stdout)["signed_by"]["trusted"] is True
+    (root / manifest_key("victim", 2)).unlink()  # rolled back: only version 1 is left
+    _one_line(_cli(*args, env_home=home), 6, "already seen victim@2")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m["kv_layout"].update(layers=10**12), "kv_layout.layers"),
+        (lambda m: m["kv_layout"].update(layers=3000), "kv_layout.layers"),
+        (lambda m: m["kv_layout"].update(layers=29), "describes KV of 29 layers"),
+        (lambda m: m["kv_layout"].update(dtype="complex64"), "kv_layout.dtype"),
+        (
+            lambda m: m["chunks"][0]["objects"]["int8"].update(key="../../../../etc/passwd"),
+            "is not the key of this chunk",
+        ),
+    ],
+)
+def test_unsigned_manifests_that_would_hurt_are_refused_before_use(
+    attacked, model, tmp_path, edit, message
+):
+    root, _, _, _ = attacked
+    path = root / manifest_key("victim", 2)
+    manifest = _payload(path)
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match=message):
+        sdk.load_context("victim@2", model=model, store=str(root), quality=LEVEL)
+    result = _cli("inspect", "victim@2", "--store", str(root), env_home=tmp_path)
+    if "describes KV" not in message:  # inspect has no model to compare the layout with
+        _one_line(result, 5, message.split(".")[0])
+
+
+def test_a_manifest_nested_100000_deep(attacked, tmp_path):
+    root, _, _, _ = attacked
+    (root / manifest_key("victim", 3)).write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    _one_line(_cli("inspect", "victim@3", "--store", str(root), env_home=tmp_path), 5, "nests")
