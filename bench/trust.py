@@ -113,7 +113,7 @@ def main() -> int:
             f"{r['load_s'] / base['load_s']:.2f}x",
             f"{fresh * 1e3:.0f}" if fresh is not None else "-",
         )
-    Console().print(table)
+    Console(width=120).print(table)
     report = {
         "conditions": {
             "document": args.doc.name,
