@@ -69,6 +69,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.fixturenames.append("profile")
 
 
+def signed_store(tmp_path_factory, model, documents: list[tuple[str, str]], levels: str = "int8"):
+    """A store folder with ``documents`` ((name, text) in publishing order) signed by a
+    fresh key; (its root, the key, the key's .pub file, as a trust file)."""
+    from kvcdn.publish import publish
+    from kvcdn.signing import SigningKey
+    from kvcdn.store import open_store
+
+    base = tmp_path_factory.mktemp("signed")
+    key = SigningKey.generate("publisher")
+    key.save(base / "publisher.key")
+    store = open_store(str(base / "store"))
+    for name, text in documents:
+        publish(text=text, name=name, model=model, store=store, levels=levels, sign_keys=[key])
+    return base / "store", key, base / "publisher.key.pub"
+
+
+def payload(data: bytes) -> dict:
+    """The JSON document in stored bytes, plain or inside a signed envelope."""
+    import base64
+    import json
+
+    raw = json.loads(data)
+    return json.loads(base64.b64decode(raw["payload"])) if "payloadType" in raw else raw
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,9 +17,8 @@ from kvcdn import sdk
 from kvcdn.errors import StoreError
 from kvcdn.keys import latest_key, manifest_key
 from kvcdn.publish import publish
-from kvcdn.signing import SigningKey, TrustPolicy
-from kvcdn.store import open_store
-from tests.conftest import free_port
+from kvcdn.signing import TrustPolicy
+from tests.conftest import free_port, payload, signed_store
 from tests.edge_helpers import EdgeProcess, get
 
 LEVEL = "int8"
@@ -30,17 +29,11 @@ REVALIDATE = "public, max-age=5, must-revalidate"
 @pytest.fixture(scope="module")
 def pristine(model, sed_text, tmp_path_factory):
     """A store with one signed document in two versions, its trust file, and v1's pointer."""
-    base = tmp_path_factory.mktemp("edge-trust")
-    root = base / "store"
-    key = SigningKey.generate("publisher")
-    key.save(base / "publisher.key")
-    store = open_store(str(root))
-    publish(text=sed_text[:2000], name="guide", model=model, store=store, levels=LEVEL,
-            sign_keys=[key])  # fmt: skip
+    root, key, trust_file = signed_store(tmp_path_factory, model, [("guide", sed_text[:2000])])
     old_pointer = (root / latest_key("guide")).read_bytes()
-    publish(text=sed_text[:2400], name="guide", model=model, store=store, levels=LEVEL,
+    publish(text=sed_text[:2400], name="guide", model=model, store=str(root), levels=LEVEL,
             sign_keys=[key])  # fmt: skip
-    return root, key, base / "publisher.key.pub", old_pointer
+    return root, key, trust_file, old_pointer
 
 
 @pytest.fixture
@@ -65,10 +58,7 @@ def test_signed_manifests_are_kept_for_good_and_unsigned_ones_refused(origin, tm
         assert status == 200 and headers["Cache-Control"] == REVALIDATE
 
         v2 = root / manifest_key("guide", 2)
-        raw = json.loads(v2.read_bytes())
-        import base64
-
-        forged = json.loads(base64.b64decode(raw["payload"]))
+        forged = payload(v2.read_bytes())
         forged["created_at"] = "2020-01-01T00:00:00+00:00"
         v2.write_text(json.dumps(forged))  # unsigned: written by someone without the key
         status, _, body = get(f"{trusting.url}/{manifest_key('guide', 2)}")
@@ -84,19 +74,13 @@ def test_the_edge_never_goes_back_to_an_older_signed_pointer(origin, tmp_path):
     node = EdgeProcess(str(root), tmp_path / "cache", None, "--trust", str(trust_file)).start()
     try:
         url = f"{node.url}/{latest_key('guide')}"
-        assert json.loads(_payload(get(url)[2]))["version"] == 2
+        assert payload(get(url)[2])["version"] == 2
         (root / latest_key("guide")).write_bytes(old_pointer)  # a replayed, validly signed v1
         time.sleep(5.2)  # the edge reuses a pointer for 5 s, then asks the origin again
-        assert json.loads(_payload(get(url)[2]))["version"] == 2
+        assert payload(get(url)[2])["version"] == 2
         assert node.metrics()["kvcdn_edge_rollbacks_refused_total"] == 1
     finally:
         node.kill()
-
-
-def _payload(body: bytes) -> bytes:
-    import base64
-
-    return base64.b64decode(json.loads(body)["payload"])
 
 
 def test_origin_down_pointers_stale_misses_say_origin_unavailable(origin, model, tmp_path):

@@ -21,9 +21,10 @@ from kvcdn.catalog import read_manifest
 from kvcdn.errors import FormatError, IntegrityError, RollbackError, TrustError
 from kvcdn.keys import latest_key, manifest_key, source_index_key
 from kvcdn.manifest import pointer_bytes
-from kvcdn.publish import publish, source_digest
-from kvcdn.signing import SigningKey, TrustPolicy
+from kvcdn.publish import source_digest
+from kvcdn.signing import TrustPolicy
 from kvcdn.store import open_store
+from tests.conftest import payload, signed_store
 
 LEVEL = "int8"
 
@@ -31,18 +32,10 @@ LEVEL = "int8"
 @pytest.fixture(scope="module")
 def origin(model, sed_text, tmp_path_factory):
     """A store with two signed documents (the victim in two versions): the pristine copy."""
-    base = tmp_path_factory.mktemp("attacks")
-    root = base / "store"
-    key = SigningKey.generate("publisher")
-    key_file = base / "publisher.key"
-    key.save(key_file)
-    store = open_store(str(root))
     first, second = sed_text[:2500], sed_text[:2500] + "\nA paragraph added later.\n"
-    publish(text=first, name="victim", model=model, store=store, levels=LEVEL, sign_keys=[key])
-    publish(text=second, name="victim", model=model, store=store, levels=LEVEL, sign_keys=[key])
-    donor = sed_text[4000:6500]
-    publish(text=donor, name="donor", model=model, store=store, levels=LEVEL, sign_keys=[key])
-    return root, key, base / "publisher.key.pub", {"first": first, "second": second}
+    documents = [("victim", first), ("victim", second), ("donor", sed_text[4000:6500])]
+    root, key, trust_file = signed_store(tmp_path_factory, model, documents)
+    return root, key, trust_file, {"first": first, "second": second}
 
 
 @pytest.fixture
@@ -55,8 +48,7 @@ def attacked(origin, tmp_path):
 
 
 def _payload(path) -> dict:
-    raw = json.loads(path.read_bytes())
-    return json.loads(base64.b64decode(raw["payload"])) if "payloadType" in raw else raw
+    return payload(path.read_bytes())
 
 
 def _cli(*args: str, env_home) -> subprocess.CompletedProcess:
