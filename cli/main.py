@@ -1252,11 +1252,10 @@ def _print_answers(result: dict[str, Any]) -> None:
     if kv["deadline_s"] is not None:
         met = kv["ttft_s"] <= kv["deadline_s"]
         line += f"; deadline {kv['deadline_s']:g} s {'met' if met else '[red]missed[/]'}"
-    out.print(line + "[/]")
+    out.print(f"{line}; {escape(result['signed_by'])}[/]")
     if any(source.startswith("http") or source == "origin" for source in kv["sources"]):
         served = ", ".join(f"{escape(s)} ({n} chunks)" for s, n in kv["sources"].items())
         out.print(f"[dim]served by {served}[/]")
-    out.print(f"[dim]{escape(result['signed_by'])}[/]")
     _print_rejected(kv["rejected"])
     out.print(escape(kv["answer"]))
     _print_prefill(result)
