@@ -95,8 +95,10 @@ def _open(store: str | None, endpoint_url: str | None, *, create: bool = False) 
 
 
 def _trust(path: Path | None) -> TrustPolicy | None:
-    """The trust policy of a trust file; the versions it has seen are kept between runs
-    in ``$XDG_STATE_HOME/kvcdn/seen-versions.json``."""
+    """The trust policy of a trust file. The versions it has seen are kept between runs
+    in ``$XDG_STATE_HOME/kvcdn/seen/{digest of the trust file's path}.json``: one
+    history per trust file, whichever store or edge a document is read through."""
+    import hashlib
     import os
 
     from kvcdn.signing import TrustPolicy
@@ -104,7 +106,8 @@ def _trust(path: Path | None) -> TrustPolicy | None:
     if path is None:
         return None
     state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-    return TrustPolicy.from_file(path, state_path=state / "kvcdn" / "seen-versions.json")
+    digest = hashlib.sha256(str(path.expanduser().absolute()).encode()).hexdigest()[:16]
+    return TrustPolicy.from_file(path, state_path=state / "kvcdn" / "seen" / f"{digest}.json")
 
 
 def _signer_text(signer: Signer | None, trust: TrustPolicy | None) -> str:
@@ -517,26 +520,32 @@ def edge() -> None:
 _SIZE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def _parse_size(value: str) -> int:
+def _parse_size(value: str, option: str) -> int:
     text = value.strip().upper().removesuffix("IB").removesuffix("B")
     unit = text[-1] if text and text[-1] in "KMGT" else ""
     number = text[: len(text) - len(unit)]
     try:
         size = int(float(number) * _SIZE[unit])
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a size (examples: 512M, 20G)") from None
+    except (ValueError, OverflowError):  # not a number, or infinite
+        raise click.BadParameter(
+            f"{value!r} is not a size (examples: 512M, 20G)", param_hint=option
+        ) from None
     if size <= 0:
-        raise click.BadParameter("the size must be positive")
+        raise click.BadParameter("the size must be positive", param_hint=option)
     return size
 
 
 def _read_token(path: Path | None) -> str | None:
+    from kvcdn.signing import read_bounded
+
     if path is None:
         return None
     try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise click.BadParameter(f"cannot read {path}: {exc.strerror}") from None
+        token = read_bounded(path, 64 << 10, "token file").decode("utf-8").strip()
+    except (KvcdnError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(
+            str(exc) if isinstance(exc, KvcdnError) else f"{path} is not text"
+        ) from None
     if not token:
         raise click.BadParameter(f"{path} is empty")
     return token
@@ -691,7 +700,7 @@ def edge_serve(
     if parent:  # a parent edge of the same network takes the same read token
         origins.insert(0, open_origin(parent, origin_timeout, read_token))
     try:
-        cache = DiskCache(cache_dir, _parse_size(max_bytes))
+        cache = DiskCache(cache_dir, _parse_size(max_bytes, "--max-bytes"))
     except OSError as exc:
         raise click.BadParameter(f"cannot use {cache_dir}: {exc.strerror}") from None
     node = Edge(
@@ -711,6 +720,11 @@ def edge_serve(
         f"kvcdn edge on http://{host}:{port} → {escape(origin)}"
         + (f" (verifying {' and '.join(checks)})" if checks else "")
     )
+    if s3_keys is not None and read_token is None:
+        err.print(
+            "note: with --s3-keys and no --token-file only signed S3 requests can read; "
+            "kvcdn SDK readers send the bearer token of --token-file"
+        )
     run(node, host, int(port))
 
 
@@ -720,7 +734,7 @@ def _shaper(rate: str | None, trace: Path | None, scale: float, offset: float) -
     if rate and trace:
         raise click.UsageError("use --rate-limit or --throttle-trace, not both")
     if rate:
-        return LinkShaper.fixed(_parse_size(rate))
+        return LinkShaper.fixed(_parse_size(rate, "--rate-limit"))
     if trace:
         try:
             return LinkShaper.replay(Trace.load(trace, scale=scale), offset_s=offset)
@@ -1054,11 +1068,12 @@ def _check_asked(docs: list[str], question: str) -> None:
     """Names and the question, checked without the model: mistakes fail at once."""
     from kvcdn.catalog import parse_ref
     from kvcdn.errors import InputError
+    from kvcdn.publish import is_document_path
 
     if not question.strip():
         raise InputError("the question is empty")
     for doc in docs:
-        if not Path(doc).is_file():
+        if not is_document_path(doc):
             parse_ref(doc)
 
 
@@ -1182,8 +1197,9 @@ def _model_for(
     """
     from kvcdn.catalog import parse_ref, read_manifest
     from kvcdn.models import load_model
+    from kvcdn.publish import is_document_path
 
-    if model or Path(doc).is_file():
+    if model or is_document_path(doc):
         return load_model(model, device)
     name, version = parse_ref(doc)
     return load_model(read_manifest(target, name, version, trust=trust).model_name, device)

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl
 
 from kvcdn.errors import InputError
+from kvcdn.signing import read_bounded
 
 from .s3api import S3RequestError
 
@@ -44,9 +45,9 @@ class S3Keys:
     def from_file(cls, path: str | Path) -> S3Keys:
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"cannot read the S3 keys file {path}: {exc}") from None
+            text = read_bounded(path, 1 << 20, "S3 keys file").decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"the S3 keys file {path} is not UTF-8 text") from None
         keys: dict[str, str] = {}
         for number, line in enumerate(text.splitlines(), 1):
             line = line.strip()
@@ -116,7 +117,10 @@ class S3Keys:
         if not expires.isdigit() or not 1 <= int(expires) <= MAX_PRESIGNED_EXPIRY_S:
             raise S3RequestError(403, "AccessDenied", "X-Amz-Expires is missing or invalid")
         signed_at = _timestamp(when)
-        if datetime.now(timezone.utc) > signed_at + timedelta(seconds=int(expires)):
+        now = datetime.now(timezone.utc)
+        if signed_at > now + MAX_SKEW:  # dated in the future: it would outlive its expiry
+            raise S3RequestError(403, "AccessDenied", "the presigned URL is not valid yet")
+        if now > signed_at + timedelta(seconds=int(expires)):
             raise S3RequestError(403, "AccessDenied", "the presigned URL has expired")
         names = query.get("X-Amz-SignedHeaders", "").split(";")
         if names != ["host"]:

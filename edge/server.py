@@ -65,7 +65,7 @@ MAX_WARM_KEYS = 100_000
 MAX_BODY = 16 << 20  # a warm request with MAX_WARM_KEYS keys fits
 MAX_LINE = 8190
 MAX_FIELD = 8190
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # 19 digits: any real offset
 
 
 class FetchError(Exception):
@@ -219,10 +219,13 @@ class Edge:
         path = request.match_info["path"]
         info = check_key(path)
         if info is not None:
-            self._authorise(request, self.read_token)
+            try:
+                self._authorise_read(request)
+            except S3RequestError as exc:
+                return web.Response(status=exc.status, text=f"{exc}\n")
             return await self._respond(request, path, info, s3=False)
         try:
-            self._authorise_s3(request)
+            self._authorise_read(request)
             return await self._s3(request, path)
         except S3RequestError as exc:
             return _s3_error(exc.status, exc.code, str(exc), path)
@@ -256,7 +259,7 @@ class Edge:
     async def root_listing(self, request: web.Request) -> web.StreamResponse:
         """``GET /?list-type=2&prefix=``: store keys, for child edges and tools."""
         try:
-            self._authorise_s3(request)
+            self._authorise_read(request)
         except S3RequestError as exc:
             return _s3_error(exc.status, exc.code, str(exc), "/")
         except web.HTTPUnauthorized as exc:
@@ -451,11 +454,16 @@ class Edge:
                 headers={"WWW-Authenticate": 'Bearer realm="kvcdn-edge"'},
             )
 
-    def _authorise_s3(self, request: web.Request) -> None:
-        """S3 requests: AWS Signature V4 when the edge has S3 keys, else the bearer token."""
+    def _authorise_read(self, request: web.Request) -> None:
+        """Any read (a store key, an S3 path, a listing): the bearer token, or with S3 keys
+        an AWS Signature V4 by one of them; open when the edge has neither."""
         if self.s3_keys is None:
             self._authorise(request, self.read_token)
             return
+        if self.read_token is not None:
+            given = request.headers.get("Authorization", "").encode()
+            if hmac.compare_digest(given, f"Bearer {self.read_token}".encode()):
+                return
         self.s3_keys.verify(request.method, request.host, request.raw_path, request.headers)
 
     async def _object(self, key: str, info: KeyInfo) -> Found:
@@ -803,7 +811,8 @@ def run(edge: Edge, host: str, port: int) -> None:
             port=port,
             access_log=None,
             print=None,
-            handler_args={"max_line_size": MAX_LINE, "max_field_size": MAX_FIELD},
+            max_line_size=MAX_LINE,  # passed on to each connection's request parser
+            max_field_size=MAX_FIELD,
         )
     except OSError as exc:
         reason = exc.strerror or str(exc)

@@ -43,9 +43,11 @@ class Trace:
         times: list[float] = []
         rates: list[float] = []
         try:
-            lines = Path(path).read_text().splitlines()
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise TraceError(f"{path} is not a text trace ('<seconds> <Mbit/s>' lines)") from None
         for n, line in enumerate(lines, 1):
             if not line.strip() or line.lstrip().startswith("#"):
                 continue

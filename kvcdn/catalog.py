@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from . import keys
-from .errors import FormatError, InputError, IntegrityError, NotFound, TrustError
+from .errors import FormatError, InputError, IntegrityError, NotFound, RollbackError, TrustError
 from .manifest import (
     MAX_MANIFEST_BYTES,
     MAX_POINTER_BYTES,
@@ -24,9 +24,13 @@ from .manifest import (
     open_pointer,
 )
 from .signing import TrustPolicy
-from .store import Reader, scope_of
+from .store import Reader
 
 log = logging.getLogger(__name__)
+
+#: Listed versions a reader tries, newest first, before giving up on finding one it
+#: can read (a store may hold keys that are not manifests, or not trusted ones).
+WALK = 16
 
 
 def parse_ref(ref: str) -> tuple[str, int | None]:
@@ -37,7 +41,7 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
     name = keys.check_name(name)
     if not version or version == "latest":
         return name, None
-    if not version.isascii() or not version.isdigit() or not 1 <= int(version) < 10**12:
+    if not version.isascii() or not version.isdigit() or not 1 <= int(version) <= keys.MAX_VERSION:
         raise InputError(f"invalid version {version!r} in {ref!r}: use name@N with N >= 1")
     return name, int(version)
 
@@ -77,52 +81,84 @@ def read_pointer(store: Reader, name: str, trust: TrustPolicy | None = None) -> 
     return found[-1]
 
 
-def resolve_latest(store: Reader, name: str, trust: TrustPolicy | None = None) -> int:
-    """The version ``name@latest`` means: the pointer's, or the listing's newest.
+def read_manifest(
+    store: Reader, name: str, version: int | None = None, *, trust: TrustPolicy | None = None
+) -> Manifest:
+    """The manifest of ``name`` at ``version`` (default: the latest).
 
-    With ``trust``, a pointer that is unsigned, badly signed or older than a
-    version this reader has seen is not believed: the listing decides, and a
-    store that offers nothing newer than that seen version is refused
-    (:class:`~kvcdn.errors.RollbackError`).
+    The latest is the version ``latest.json`` names. With ``trust``, a pointer
+    that is missing, unsigned or badly signed, or older than a version this
+    reader has seen, is not believed: the newest listed version that verifies
+    is taken instead. It is never older than the version this reader has seen,
+    nor than the one a trusted pointer names (signed word that it exists): a
+    store offering nothing that new is refused
+    (:class:`~kvcdn.errors.RollbackError`), and when it is the trusted pointer's
+    own version that fails verification, that failure is raised.
     """
-    scope = scope_of(store)
-    pointer = None
+    name = keys.check_name(name)
+    if version is not None:
+        return _read_version(store, name, version, trust)
+    seen = trust.newest_seen(name) if trust is not None else 0
     try:
         pointer = read_pointer(store, name, trust)
     except (TrustError, FormatError) as exc:
         if trust is None:
             raise
         log.warning("not using %s's latest pointer: %s", name, exc)
-    seen = trust.newest_seen(scope, name) if trust is not None else 0
-    version = pointer.version if pointer is not None else None
-    if version is None or version < seen:
-        listed = latest_version(store, name)
-        version = max(v for v in (version, listed, 0) if v is not None) or None
-    if version is None:
+        pointer = None
+    failure: Exception | None = None
+    if pointer is not None and pointer.version >= seen:
+        try:
+            return _read_version(store, name, pointer.version, trust)
+        except NotFound:
+            pass  # the pointer names a version that is gone: the listing decides
+        except (TrustError, FormatError) as exc:
+            if trust is None:
+                raise
+            failure = exc
+        if trust is not None:  # a trusted pointer is signed knowledge its version exists
+            seen = max(seen, pointer.version)
+    found = newest_readable(store, name, trust, above=max(seen - 1, 0))
+    if found is not None:
+        return found
+    if failure is not None:
+        raise failure
+    if not versions(store, name):
         raise NotFound(f"no document named '{name}' in {store.url}")
-    if trust is not None:
-        trust.check_not_older(scope, name, version)
-    return version
+    assert trust is not None  # without trust the walk raises what it could not read
+    raise RollbackError(
+        f"this reader has already seen {name}@{seen}, and {store.url} offers no version as "
+        "new that verifies: the store was rolled back"
+    )
 
 
-def read_manifest(
-    store: Reader, name: str, version: int | None = None, *, trust: TrustPolicy | None = None
-) -> Manifest:
-    """The manifest of ``name`` at ``version`` (default: the latest)."""
-    name = keys.check_name(name)
-    if version is not None:
-        return _read_version(store, name, version, trust)
-    latest = resolve_latest(store, name, trust)
-    try:
-        return _read_version(store, name, latest, trust)
-    except NotFound:
-        # the pointer names a version that is gone: the listing decides
-        listed = latest_version(store, name)
-        if listed is None or listed == latest:
-            raise
-        if trust is not None:
-            trust.check_not_older(scope_of(store), name, listed)
-        return _read_version(store, name, listed, trust)
+def newest_readable(
+    store: Reader,
+    name: str,
+    trust: TrustPolicy | None,
+    *,
+    above: int = 0,
+    skip: bool | None = None,
+) -> Manifest | None:
+    """The newest listed version above ``above`` whose manifest reads (with ``trust``:
+    verifies), trying at most :data:`WALK` of them; None when there is none.
+
+    Versions that cannot be read or verified are skipped when ``skip`` (by
+    default, with ``trust``). Without ``trust`` a reader that believes the store
+    is told when it is damaged: the first such version is an error.
+    """
+    skip = trust is not None if skip is None else skip
+    candidates = [v for v in versions(store, name) if v > above][::-1][:WALK]
+    for version in candidates:
+        try:
+            return _read_version(store, name, version, trust)
+        except NotFound:
+            continue
+        except (TrustError, FormatError) as exc:
+            if not skip:
+                raise
+            log.warning("skipping %s@%d: %s", name, version, exc)
+    return None
 
 
 def _read_version(store: Reader, name: str, version: int, trust: TrustPolicy | None) -> Manifest:
@@ -146,7 +182,7 @@ def _read_version(store: Reader, name: str, version: int, trust: TrustPolicy | N
             f"{', '.join(map(str, known))})"
         ) from None
     if trust is not None:
-        trust.saw(scope_of(store), name, version)
+        trust.saw(name, version)
     return found[-1]
 
 

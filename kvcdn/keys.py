@@ -42,6 +42,8 @@ _LEVEL_ID = re.compile(rf"^{LEVEL_ID_PATTERN}$")
 _HEX64 = "[0-9a-f]{64}"
 _HEX16 = "[0-9a-f]{16}"
 MAX_KEY_LENGTH = 1024
+#: Version numbers have 6 to 12 digits in their keys.
+MAX_VERSION = 999_999_999_999
 
 DOCS_PREFIX = "docs/"
 OBJECTS_PREFIX = "objects/"
@@ -180,7 +182,7 @@ def parse_key(key: str) -> KeyInfo | None:
         name, version = m.group(1), int(m.group(2))
         if _name_problem(name) or unicodedata.normalize("NFC", name) != name:
             return None
-        if version < 1 or manifest_key(name, version) != key:
+        if not 1 <= version <= MAX_VERSION or manifest_key(name, version) != key:
             return None
         return KeyInfo("manifest", name=name, version=version)
     if m := _POINTER.match(key):

@@ -103,7 +103,7 @@ def publish_profile(
     ref = ObjectRef(
         profile_key(profile.model_fingerprint, profile.sha256), len(data), profile.sha256
     )
-    store.put_new(ref.key, data)  # the key is the content's hash: an existing one is the same
+    store.put_content(ref.key, data)
     pointer = json.dumps({"key": ref.key, "bytes": ref.bytes, "sha256": ref.sha256}).encode()
     if sign_keys:
         pointer = seal(pointer, PROFILE_POINTER_TYPE, sign_keys)

@@ -37,8 +37,9 @@ from .codec import (
     needs_profile,
     parse_levels,
 )
-from .errors import ConcurrentPublish, FormatError, InputError, NotFound, OldSchema, TrustError
+from .errors import ConcurrentPublish, FormatError, InputError, NotFound, StoreError, TrustError
 from .keys import (
+    MAX_VERSION,
     check_name,
     latest_key,
     manifest_key,
@@ -99,6 +100,17 @@ def read_document(path: str | Path) -> str:
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
     return document_text(data, str(path))
+
+
+def is_document_path(source: str) -> bool:
+    """Whether ``source`` names a file on this machine (a text or a name never does:
+    multi-line strings, strings longer than a path can be, and NUL bytes are not)."""
+    if "\n" in source or len(source) > 4096:
+        return False
+    try:
+        return Path(source).expanduser().is_file()
+    except (OSError, ValueError):  # a name too long for the system, a NUL byte
+        return False
 
 
 def document_text(data: bytes, what: str) -> str:
@@ -196,8 +208,13 @@ def publish(
     uploaded = 0
     uploaded_bytes = 0
     for _attempt in range(VERSION_ATTEMPTS):
-        latest = catalog.latest_version(store, name)
-        previous = _previous(store, name, latest, trust)
+        latest = catalog.latest_version(store, name) or 0
+        if latest >= MAX_VERSION:
+            raise StoreError(
+                f"{store.url} lists {manifest_key(name, latest)}: no version can follow it; "
+                "remove that key if this publisher did not write it"
+            )
+        previous = _previous(store, name, trust)
         if (
             previous is not None
             and _same_publication(previous, src_sha, fingerprint, chunk_tokens, chosen)
@@ -248,7 +265,7 @@ def publish(
             def store_one(data: bytes, chunk_hash: str, level: Level) -> tuple[ObjectRef, bool]:
                 sha = hashlib.sha256(data).hexdigest()
                 ref = ObjectRef(object_key(chunk_hash, level.id, sha), len(data), sha)
-                written = _store_object(store, ref, data)
+                written = store.put_content(ref.key, data)
                 on_object(ref.key)
                 return ref, written
 
@@ -276,7 +293,7 @@ def publish(
             seconds["encode"] = seconds.get("encode", 0.0) + t_encode
             seconds["upload"] = seconds.get("upload", 0.0) + time.perf_counter() - t - t_encode
 
-        version = (latest or 0) + 1
+        version = latest + 1
         manifest = _manifest(
             name, version, text, src_sha, loaded, ids, chunks, chosen, stored, profile,
             profile_ref, chunk_tokens,
@@ -400,22 +417,13 @@ def _same_publication(
     )
 
 
-def _previous(
-    store: Store, name: str, latest: int | None, trust: TrustPolicy | None
-) -> Manifest | None:
-    """The latest version, when this publisher may build on it (``trust``: only one
-    signed by a trusted key); None otherwise (the new version starts afresh)."""
-    if latest is None:
-        return None
+def _previous(store: Store, name: str, trust: TrustPolicy | None) -> Manifest | None:
+    """The newest version this publisher may build on: one it can read (with
+    ``trust``: signed by a trusted key) in the current schema; None if there is none."""
     try:
-        return catalog.read_manifest(store, name, latest, trust=trust)
-    except OldSchema:  # an older kvcdn's version: this publish supersedes it
-        log.info("%s@%d has an older manifest schema; publishing a new version", name, latest)
-    except (TrustError, FormatError) as exc:
-        log.warning("not building on %s@%d: %s", name, latest, exc)
-    except NotFound:  # removed since it was listed
-        pass
-    return None
+        return catalog.newest_readable(store, name, trust, skip=True)
+    except NotFound:  # removed while it was being read
+        return None
 
 
 def _signed_as_asked(previous: Manifest, sign_keys: Sequence[SigningKey]) -> bool:
@@ -427,23 +435,6 @@ def _signed_as_asked(previous: Manifest, sign_keys: Sequence[SigningKey]) -> boo
     )
 
 
-def _store_object(store: Store, ref: ObjectRef, data: bytes) -> bool:
-    """Store a content-addressed object; False when it was already there, whole.
-
-    The key names the sha256 of ``data``, so an existing object is either these
-    bytes or damaged (then it is replaced).
-    """
-    if store.put_new(ref.key, data):
-        return True
-    try:
-        store.get(ref.key, max_bytes=ref.bytes, check=ref.check)
-        return False
-    except (FormatError, NotFound) as exc:
-        log.warning("replacing a damaged or vanished object %s: %s", ref.key, exc)
-    store.put(ref.key, data)
-    return True
-
-
 def _advance_pointer(
     store: Store,
     name: str,
@@ -451,14 +442,17 @@ def _advance_pointer(
     sign_keys: Sequence[SigningKey],
     trust: TrustPolicy | None,
 ) -> None:
-    """Point ``latest.json`` at the newest version, never an older one.
+    """Point ``latest.json`` at the newest version, never an older one, and never at one
+    this publisher has not read (with ``trust``: verified).
 
     Another publisher may write the pointer between our read and our write;
     listing again afterwards and rewriting until the listing holds nothing
     newer makes concurrent publishers agree on the newest version.
     """
+    target = version
     for _ in range(VERSION_ATTEMPTS):
-        target = max(version, catalog.latest_version(store, name) or 0)
+        newer = catalog.newest_readable(store, name, trust, above=target, skip=True)
+        target = newer.version if newer is not None else target
         try:
             current = catalog.read_pointer(store, name, trust)
         except (FormatError, TrustError):
@@ -468,5 +462,5 @@ def _advance_pointer(
             if sign_keys:
                 data = seal(data, POINTER_TYPE, sign_keys)
             store.put(latest_key(name), data)
-        if (catalog.latest_version(store, name) or 0) <= target:
+        if catalog.newest_readable(store, name, trust, above=target, skip=True) is None:
             return

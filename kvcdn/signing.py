@@ -48,6 +48,7 @@ POINTER_TYPE = "application/vnd.kvcdn.pointer+json"
 PROFILE_POINTER_TYPE = "application/vnd.kvcdn.profile-pointer+json"
 MAX_SIGNATURES = 16
 MAX_TRUST_FILE_BYTES = 1 << 20
+MAX_KEY_FILE_BYTES = 64 << 10
 
 
 # ---- keys ------------------------------------------------------------------------
@@ -116,10 +117,7 @@ class SigningKey:
         from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
         path = Path(path)
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise InputError(f"cannot read the signing key {path}: {exc.strerror}") from None
+        data = read_bounded(path, MAX_KEY_FILE_BYTES, "signing key")
         try:
             private = load_pem_private_key(data, password=password)
         except TypeError:
@@ -172,12 +170,9 @@ def read_public_keys(path: str | Path) -> list[PublicKey]:
     per line; blank lines and lines starting with ``#`` are skipped."""
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_TRUST_FILE_BYTES:
-            raise InputError(f"{path} is larger than a trust file can be")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or "not UTF-8 text"
-        raise InputError(f"cannot read the trust file {path}: {reason}") from None
+        text = read_bounded(path, MAX_TRUST_FILE_BYTES, "trust file").decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"cannot read the trust file {path}: not UTF-8 text") from None
     keys: list[PublicKey] = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -321,9 +316,12 @@ class TrustPolicy:
     """The publisher keys a reader accepts, and the newest version it has seen of each
     document (so that it never goes back to an older one: rollback protection).
 
+    A document is its name: whichever store, edge or path it is read through,
+    a reader never accepts an older latest version than one it has verified.
+    (One key signing one name in two stores with different histories is then
+    one history to this reader: give each environment its own key or names.)
     The seen versions live in memory, and in ``state_path`` (a small JSON file)
-    when one is given, so that they outlast the process. They are kept per
-    ``scope``, the store the document was read from.
+    when one is given, so that they outlast the process.
     """
 
     def __init__(
@@ -338,7 +336,7 @@ class TrustPolicy:
             raise InputError("a trust policy needs at least one key")
         self.source = source  # where the keys came from, for messages
         self.state_path = Path(state_path) if state_path else None
-        self._seen: dict[str, dict[str, int]] = {}
+        self._seen: dict[str, int] = {}
 
     @classmethod
     def from_file(cls, path: str | Path, *, state_path: str | Path | None = None) -> TrustPolicy:
@@ -362,22 +360,22 @@ class TrustPolicy:
         return None
 
     # ---- rollback -----------------------------------------------------------------
-    def newest_seen(self, scope: str, name: str) -> int:
+    def newest_seen(self, name: str) -> int:
         self._load_state()
-        return self._seen.get(scope, {}).get(name, 0)
+        return self._seen.get(name, 0)
 
-    def saw(self, scope: str, name: str, version: int) -> None:
-        """Record that ``name@version`` was read from ``scope`` and verified."""
-        if version <= self.newest_seen(scope, name):
+    def saw(self, name: str, version: int) -> None:
+        """Record that ``name@version`` was read and verified."""
+        if version <= self.newest_seen(name):
             return
-        self._seen.setdefault(scope, {})[name] = version
-        self._save_state(scope, name, version)
+        self._seen[name] = version
+        self._save_state(name, version)
 
-    def check_not_older(self, scope: str, name: str, version: int) -> None:
-        seen = self.newest_seen(scope, name)
+    def check_not_older(self, name: str, version: int, where: str) -> None:
+        seen = self.newest_seen(name)
         if version < seen:
             raise RollbackError(
-                f"{scope} offers {name}@{version} as the latest version, but this reader has "
+                f"{where} offers {name}@{version} as the latest version, but this reader has "
                 f"already seen {name}@{seen}: the store was rolled back or is replaying an old "
                 "pointer"
             )
@@ -386,21 +384,18 @@ class TrustPolicy:
         if self.state_path is None or not self.state_path.is_file():
             return
         try:
-            raw = loads(self.state_path.read_bytes(), what=str(self.state_path), max_bytes=64 << 20)
-        except (OSError, FormatError) as exc:
+            raw = loads(read_bounded(self.state_path, 64 << 20, "rollback state"),
+                        what=str(self.state_path), max_bytes=64 << 20)  # fmt: skip
+        except (InputError, FormatError) as exc:
             log.warning("ignoring unreadable rollback state %s: %s", self.state_path, exc)
             return
         if not isinstance(raw, dict):
             return
-        for scope, names in raw.items():
-            if not isinstance(names, dict):
-                continue
-            mine = self._seen.setdefault(scope, {})
-            for name, version in names.items():
-                if type(version) is int and version > mine.get(name, 0):
-                    mine[name] = version
+        for name, version in raw.items():
+            if type(version) is int and version > self._seen.get(name, 0):
+                self._seen[name] = version
 
-    def _save_state(self, scope: str, name: str, version: int) -> None:
+    def _save_state(self, name: str, version: int) -> None:
         """Merge one record into the state file, under a lock (other processes write too)."""
         if self.state_path is None:
             return
@@ -409,10 +404,23 @@ class TrustPolicy:
             with open(self.state_path.with_name(self.state_path.name + ".lock"), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 self._load_state()
-                mine = self._seen.setdefault(scope, {})
-                mine[name] = max(mine.get(name, 0), version)
+                self._seen[name] = max(self._seen.get(name, 0), version)
                 tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
                 tmp.write_text(json.dumps(self._seen, sort_keys=True))
                 os.replace(tmp, self.state_path)
         except OSError as exc:  # the check still holds for this process
             log.warning("cannot record seen versions in %s: %s", self.state_path, exc)
+
+
+def read_bounded(path: str | Path, max_bytes: int, what: str) -> bytes:
+    """A small file's bytes (a key, a trust file, a token): refused past ``max_bytes``,
+    whatever the file is (a device, a pipe, a huge file)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise InputError(f"{path} is larger than a {what} can be ({max_bytes} bytes)")
+    return data

@@ -13,6 +13,7 @@ variables, and a custom endpoint gets path-style addressing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -55,11 +56,6 @@ class Reader(Protocol):
         ...
 
     def list(self, prefix: str = "") -> list[str]: ...
-
-
-def scope_of(reader: Any) -> str:
-    """The store a reader reads, as one string: what rollback protection is kept per."""
-    return getattr(reader, "scope", None) or reader.url
 
 
 class Store:
@@ -105,11 +101,6 @@ class Store:
             raise
         except Exception as exc:  # network stacks raise many types; all mean the same here
             raise StoreError(f"{what}: store {self.url} failed: {exc}") from None
-
-    @property
-    def scope(self) -> str:
-        """What this store is, however its URL was written (rollback state is kept per scope)."""
-        return self.url
 
     # ---- reading ---------------------------------------------------------------
     def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
@@ -172,6 +163,26 @@ class Store:
 
     def _put(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)
+
+    def put_content(self, key: str, data: bytes) -> bool:
+        """Store a content-addressed object (``key`` names the sha256 of ``data``);
+        False when it was already there, whole.
+
+        An existing object under the key holds either these bytes or damaged ones
+        (a disk fault, a store attacker): it is read back and replaced if damaged.
+        """
+        if self.put_new(key, data):
+            return True
+        try:
+            existing = self.get(key, max_bytes=len(data))
+            if hashlib.sha256(existing).digest() == hashlib.sha256(data).digest():
+                return False
+            reason = "it holds other bytes"
+        except (FormatError, NotFound) as exc:
+            reason = str(exc)
+        log.warning("replacing the damaged or vanished object %s: %s", key, reason)
+        self.put(key, data)
+        return True
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist; False if it already did."""
@@ -238,10 +249,6 @@ class LocalStore(Store):
             self._require_root()  # a store that is gone is a failure, not a missing key
             raise
 
-    @property
-    def scope(self) -> str:
-        return f"file://{self.root}"
-
     def _require_root(self) -> None:
         if not Path(self.root).is_dir():
             raise StoreError(f"the store folder {self.root} does not exist (any more)")
@@ -289,10 +296,6 @@ class S3Store(Store):
     @property
     def endpoint(self) -> str:
         return self.fs.client_kwargs.get("endpoint_url") or "AWS S3"
-
-    @property
-    def scope(self) -> str:
-        return f"s3://{self.root} at {self.endpoint}"
 
 
 #: Store URL schemes kvcdn reads and writes; anything else is refused by name.

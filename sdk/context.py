@@ -19,7 +19,7 @@ from kvcdn.kv import split_chunks
 from kvcdn.manifest import Manifest, ObjectRef
 from kvcdn.models import LoadedModel, crop_cache, load_model
 from kvcdn.profiles import load_profile
-from kvcdn.publish import document_text, read_document, source_digest
+from kvcdn.publish import document_text, is_document_path, read_document, source_digest
 from kvcdn.signing import TrustPolicy
 from kvcdn.store import Reader, Store, open_store
 
@@ -197,7 +197,7 @@ def resolve_manifest(
     source = checks.source(source)
     loaded = model if isinstance(model, LoadedModel) else None
     model_s = 0.0
-    if isinstance(source, Path) or _is_existing_file(source):
+    if isinstance(source, Path) or is_document_path(source):
         text, what = read_document(source), str(source)
     elif _REF.match(source.strip()):
         name, version = catalog.parse_ref(source.strip())
@@ -404,15 +404,6 @@ def quality_scores(manifest: Manifest) -> dict[str, float]:
             ]
             scores[name] = max(below, default=0.99)
     return scores
-
-
-def _is_existing_file(source: str) -> bool:
-    if "\n" in source or len(source) > 4096:
-        return False
-    try:
-        return Path(source).expanduser().is_file()
-    except (OSError, ValueError):  # a name too long for the system, a NUL byte
-        return False
 
 
 def _check_quality(manifest: Manifest, quality: str) -> None:

@@ -179,7 +179,6 @@ class EdgeStore:
             raise InputError(f"edge_token must be a string, not {type(token).__name__}")
         self.origin = origin
         self.url = ", ".join(self.edges) + (f" (origin {origin.url})" if origin else "")
-        self.scope = origin.url if origin is not None else ", ".join(sorted(self.edges))
         self.concurrency = concurrency
         self.read_timeout_s = read_timeout_s
         self.min_body_bps = min_body_bps
@@ -429,7 +428,6 @@ class PlacedReader:
         self._edges = edges
         self._placement = placement
         self.url = edges.url
-        self.scope = edges.scope
 
     def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
         return self._edges.fetch(key, self._placement, max_bytes=max_bytes, check=check).data

@@ -14,7 +14,9 @@ honestly from the folder):
   zeros are sent;
 * ``endless``: chunk objects come without a length, zeros without end;
 * ``drip``: chunk objects are announced at their true size and sent one byte
-  every 0.2 s.
+  every 0.2 s;
+* ``gzip-bomb``: every key is answered with ``Content-Encoding: gzip`` and 2 MB
+  that inflate to 2 GiB of zeros (a parent edge that tries to exhaust its child).
 """
 
 from __future__ import annotations
@@ -24,11 +26,18 @@ import asyncio
 import base64
 import hashlib
 import json
+import zlib
 from pathlib import Path
 
 from aiohttp import web
 
-MODES = ("forge-object", "swap-manifest", "oversized", "endless", "drip")
+MODES = ("forge-object", "swap-manifest", "oversized", "endless", "drip", "gzip-bomb")
+
+
+def gzip_bomb(inflated: int = 2 << 30) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: the gzip container
+    zeros = bytes(1 << 20)
+    return b"".join(packer.compress(zeros) for _ in range(inflated >> 20)) + packer.flush()
 
 
 def forge_object(data: bytes) -> bytes:
@@ -49,8 +58,12 @@ def swapped_manifest(store: Path, donor: str, name: str, version: int) -> bytes:
 
 
 def app(store: Path, mode: str, donor: str | None) -> web.Application:
+    bomb = gzip_bomb() if mode == "gzip-bomb" else b""
+
     async def serve(request: web.Request) -> web.StreamResponse:
         key = request.match_info["key"]
+        if bomb:
+            return web.Response(body=bomb, headers={"Content-Encoding": "gzip"})
         path = store / key
         if mode == "swap-manifest" and "/versions/" in key and donor:
             name, version = key.split("/")[1], int(key.rsplit("/", 1)[1].split(".")[0])

@@ -133,6 +133,8 @@ def test_demo_runs_on_embedded_defaults(model, tmp_path):
         (["publish", "ODD", "--model", "/no/model"], "cannot make a document name", 2),
         (["publish", "DOC", "--sign-key", "/no/key", "--model", "/no/model"], "signing key", 2),
         (["ask", "doc", "Why?", "--trust", "/no/trust"], "cannot read the trust file", 2),
+        (["inspect", "doc", "--trust", "/dev/zero"], "larger than a trust file can be", 2),
+        (["ask", "a" * 300, "Why?"], "invalid document name", 2),
         (["inspect", "nothing-here", "--store", "DIR"], "no document named 'nothing-here'", 4),
         (["inspect", "bad/name"], "invalid document name", 2),
     ],
@@ -156,6 +158,19 @@ def test_user_mistakes_get_one_line_and_an_exit_code(args, message, code, tmp_pa
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("--max-bytes", "1e400"), ("--rate-limit", "1e999M"), ("--throttle-trace", "BINARY")],
+)
+def test_edge_options_out_of_range_are_usage_errors(option, value, tmp_path):
+    (tmp_path / "blob").write_bytes(b"\xff\xfe\0\1")
+    value = str(tmp_path / "blob") if value == "BINARY" else value
+    result = run("edge", "serve", "--origin", str(tmp_path), "--cache-dir", str(tmp_path / "c"),
+                 option, value)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "Error: Invalid value for" in result.stderr
 
 
 def test_cli_refuses_kv_of_a_corrupted_object(model, short_text, tmp_path):

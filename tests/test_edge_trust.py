@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -203,6 +204,26 @@ def test_s3_clients_must_sign_with_a_known_key(s3_edge, origin):
     assert status == 403 and b"AccessDenied" in body
 
 
+def test_store_keys_need_a_signature_or_the_token_too(origin, tmp_path):
+    root = origin[0]
+    keys = tmp_path / "clients.keys"
+    keys.write_text("AKIDREADER reader-secret-123\n")
+    token = tmp_path / "read.token"
+    token.write_text("sdk-token\n")
+    node = EdgeProcess(str(root), tmp_path / "cache", None, "--s3-keys", str(keys),
+                       "--token-file", str(token)).start()  # fmt: skip
+    try:
+        v1 = manifest_key("guide", 1)
+        assert get(f"{node.url}/{v1}")[0] == 403  # no bearer, no signature
+        assert get(f"{node.url}/{v1}", {"Authorization": "Bearer wrong"})[0] == 403
+        status, _, body = get(f"{node.url}/{v1}", {"Authorization": "Bearer sdk-token"})
+        assert status == 200 and body == (root / v1).read_bytes()
+        client = _client(node.url, "AKIDREADER", "reader-secret-123")
+        assert client.get_object(Bucket="kvcdn", Key=v1)["Body"].read() == body
+    finally:
+        node.kill()
+
+
 def test_presigned_urls_work_until_they_expire_or_are_altered(s3_edge, origin):
     root = origin[0]
     v1 = manifest_key("guide", 1)
@@ -229,6 +250,55 @@ def test_presigned_urls_work_until_they_expire_or_are_altered(s3_edge, origin):
     legacy = v2_style.generate_presigned_url("get_object", Params={"Bucket": "kvcdn", "Key": v1})
     status, _, body = get(legacy)
     assert status == 403 and b"Signature Version 2 is not accepted" in body
+
+
+def test_a_presigned_url_dated_in_the_future_is_refused(s3_edge, monkeypatch):
+    import datetime
+
+    import botocore.auth
+
+    client = _client(s3_edge.url, "AKIDREADER", "reader-secret-123")
+    later = datetime.datetime(2036, 1, 1, tzinfo=datetime.timezone.utc)
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda *a, **k: later)
+    url = client.generate_presigned_url(
+        "get_object", Params={"Bucket": "kvcdn", "Key": manifest_key("guide", 1)}, ExpiresIn=604800
+    )
+    status, _, body = get(url)
+    assert status == 403 and b"not valid yet" in body
+
+
+def test_a_parent_cannot_make_the_edge_inflate_a_bomb(origin, tmp_path):
+    import psutil
+
+    from tests.test_hostile_edge import Hostile
+
+    root = origin[0]
+    parent = Hostile(root, free_port(), "gzip-bomb")
+    node = EdgeProcess(str(root), tmp_path / "cache", None, "--parent", parent.url).start()
+    try:
+        before = psutil.Process(node.proc.pid).memory_info().rss
+        keys = [f"objects/ab/{'ab' * 32}/fp16-0123456789ab.{i:064x}.kvc" for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda k: get(f"{node.url}/{k}"), keys))
+        # taken as sent, the 2 MB fail verification, and the store (asked next) has nothing
+        assert all(status == 404 for status, _, _ in answers), [a[0] for a in answers]
+        grown = psutil.Process(node.proc.pid).memory_info().rss - before
+        assert grown < 200 << 20, f"the edge grew by {grown >> 20} MiB"
+        assert node.metrics()["kvcdn_edge_verify_failures_total"] == 4
+    finally:
+        node.kill()
+        parent.stop()
+
+
+def test_a_range_of_five_thousand_digits_is_ignored_not_a_500(origin, tmp_path):
+    node = EdgeProcess(str(origin[0]), tmp_path / "cache", None).start()
+    try:
+        url = f"{node.url}/{manifest_key('guide', 1)}"
+        for spec in (f"bytes={'9' * 5000}-", f"bytes=-{'9' * 5000}"):
+            status, _, body = get(url, {"Range": spec})
+            assert status == 200 and body == (origin[0] / manifest_key("guide", 1)).read_bytes()
+    finally:
+        node.kill()
 
 
 def test_the_edge_never_imports_torch_even_with_trust_and_s3_keys():

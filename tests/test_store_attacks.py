@@ -18,10 +18,12 @@ import pytest
 
 from kvcdn import sdk
 from kvcdn.catalog import read_manifest
-from kvcdn.errors import FormatError, IntegrityError, RollbackError, TrustError
-from kvcdn.keys import latest_key, manifest_key, source_index_key
+from kvcdn.errors import FormatError, IntegrityError, RollbackError, StoreError, TrustError
+from kvcdn.keys import latest_key, manifest_key, profile_key, source_index_key
 from kvcdn.manifest import pointer_bytes
-from kvcdn.publish import source_digest
+from kvcdn.profiles import publish_profile
+from kvcdn.publish import publish, source_digest
+from kvcdn.sdk.context import open_reader
 from kvcdn.signing import TrustPolicy
 from kvcdn.store import open_store
 from tests.conftest import payload, signed_store
@@ -179,3 +181,50 @@ def test_a_manifest_nested_100000_deep(attacked, tmp_path):
     root, _, _, _ = attacked
     (root / manifest_key("victim", 3)).write_bytes(b"[" * 100_000 + b"]" * 100_000)
     _one_line(_cli("inspect", "victim@3", "--store", str(root), env_home=tmp_path), 5, "nests")
+
+
+def test_planted_versions_are_never_built_on_nor_pointed_at(attacked, model):
+    root, key, _, texts = attacked
+    trust = TrustPolicy([key.public])
+    store = open_store(str(root))
+    assert read_manifest(store, "victim", trust=trust).version == 2
+    (root / manifest_key("victim", 99)).write_bytes(b"planted by the attacker")
+    third = texts["second"] + "\nAnd a third paragraph.\n"
+    result = publish(text=third, name="victim", model=model, store=store, levels=LEVEL,
+                     sign_keys=[key])  # fmt: skip
+    assert result.version == 100  # above every listed key, never on top of the garbage
+    manifest = read_manifest(store, "victim", trust=trust)
+    assert manifest.version == 100 and manifest.source_sha256 == source_digest(third)
+
+    # The largest version a key can name: publishing says which key blocks it, and
+    # readers are not locked out of what they have.
+    (root / manifest_key("victim", 999_999_999_999)).write_bytes(b"planted")
+    with pytest.raises(StoreError, match="999999999999.json: no version can follow it"):
+        publish(text=third + "!", name="victim", model=model, store=store, levels=LEVEL,
+                sign_keys=[key])  # fmt: skip
+    assert read_manifest(store, "victim", trust=trust).version == 100
+    assert read_manifest(store, "victim", trust=TrustPolicy([key.public])).version == 100
+
+
+def test_rollback_is_caught_whichever_path_reads_the_store(attacked):
+    root, key, _, _ = attacked
+    trust = TrustPolicy([key.public])
+    store = open_store(str(root))
+    assert read_manifest(store, "victim", trust=trust).version == 2
+    (root / manifest_key("victim", 2)).unlink()
+    with pytest.raises(RollbackError):
+        read_manifest(store, "victim", trust=trust)
+    through_edges = open_reader(str(root), edges=["http://127.0.0.1:9"], trust=trust)
+    with pytest.raises(RollbackError):  # a dead edge, then the origin: the same history
+        read_manifest(through_edges, "victim", trust=trust)
+    with pytest.raises(RollbackError):  # the folder spelled another way
+        read_manifest(open_store(str(root) + "/../store"), "victim", trust=trust)
+
+
+def test_a_damaged_profile_in_the_store_is_replaced(profile, tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    key = profile_key(profile.model_fingerprint, profile.sha256)
+    (tmp_path / "store" / key).parent.mkdir(parents=True)
+    (tmp_path / "store" / key).write_bytes(b"not a profile")
+    ref = publish_profile(store, profile)
+    assert store.get(ref.key) == profile.to_bytes()
