@@ -21,7 +21,6 @@ import os
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from aiohttp import web
@@ -32,6 +31,7 @@ from kvcdn.keys import KeyInfo
 from kvcdn.signing import TrustPolicy
 
 from .cache import DiskCache, Entry, stamp_of
+from .metrics import Metrics
 from .origin import Origin, OriginFailed, OriginMissing
 from .s3api import (
     ERROR_CODES,
@@ -74,21 +74,6 @@ class FetchError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass
-class Metrics:
-    hits: int = 0
-    misses: int = 0
-    coalesced: int = 0
-    bytes_served: int = 0
-    origin_fetches: int = 0
-    origin_seconds: float = 0.0
-    origin_errors: int = 0
-    verify_failures: int = 0
-    stale_served: int = 0
-    rollbacks_refused: int = 0
-    requests: dict[int, int] = field(default_factory=dict)
 
 
 class Edge:
@@ -165,53 +150,16 @@ class Edge:
         try:
             response = await handler(request)
         except web.HTTPException as exc:
-            self.metrics.requests[exc.status] = self.metrics.requests.get(exc.status, 0) + 1
+            self.metrics.count_response(exc.status)
             raise
-        self.metrics.requests[response.status] = self.metrics.requests.get(response.status, 0) + 1
+        self.metrics.count_response(response.status)
         return response
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        m = self.metrics
-        lines = [
-            "# TYPE kvcdn_edge_hits_total counter",
-            f"kvcdn_edge_hits_total {m.hits}",
-            "# TYPE kvcdn_edge_misses_total counter",
-            f"kvcdn_edge_misses_total {m.misses}",
-            "# TYPE kvcdn_edge_coalesced_waiters_total counter",
-            f"kvcdn_edge_coalesced_waiters_total {m.coalesced}",
-            "# TYPE kvcdn_edge_bytes_served_total counter",
-            f"kvcdn_edge_bytes_served_total {m.bytes_served}",
-            "# TYPE kvcdn_edge_origin_fetch_seconds summary",
-            f"kvcdn_edge_origin_fetch_seconds_sum {m.origin_seconds:.6f}",
-            f"kvcdn_edge_origin_fetch_seconds_count {m.origin_fetches}",
-            "# TYPE kvcdn_edge_origin_errors_total counter",
-            f"kvcdn_edge_origin_errors_total {m.origin_errors}",
-            "# TYPE kvcdn_edge_cache_writes_total counter",
-            f"kvcdn_edge_cache_writes_total {self.cache.writes}",
-            "# TYPE kvcdn_edge_cache_write_skips_total counter",
-            f"kvcdn_edge_cache_write_skips_total {self.cache.skips}",
-            "# TYPE kvcdn_edge_evictions_total counter",
-            f"kvcdn_edge_evictions_total {self.cache.evictions}",
-            "# TYPE kvcdn_edge_verify_failures_total counter",
-            f"kvcdn_edge_verify_failures_total {m.verify_failures}",
-            "# TYPE kvcdn_edge_stale_served_total counter",
-            f"kvcdn_edge_stale_served_total {m.stale_served}",
-            "# TYPE kvcdn_edge_rollbacks_refused_total counter",
-            f"kvcdn_edge_rollbacks_refused_total {m.rollbacks_refused}",
-            "# TYPE kvcdn_edge_cache_bytes gauge",
-            f"kvcdn_edge_cache_bytes {self.cache.bytes}",
-            "# TYPE kvcdn_edge_cache_objects gauge",
-            f"kvcdn_edge_cache_objects {len(self.cache)}",
-            "# TYPE kvcdn_edge_responses_total counter",
-            *(
-                f'kvcdn_edge_responses_total{{code="{c}"}} {n}'
-                for c, n in sorted(m.requests.items())
-            ),
-        ]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        return web.Response(text=self.metrics.prometheus(self.cache), content_type="text/plain")
 
     # ---- serving -------------------------------------------------------------
     async def serve(self, request: web.Request) -> web.StreamResponse:
