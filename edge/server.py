@@ -17,10 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import re
-import time
-from collections import OrderedDict
 from typing import BinaryIO
 
 from aiohttp import web
@@ -30,9 +27,10 @@ from kvcdn.errors import InputError
 from kvcdn.keys import KeyInfo
 from kvcdn.signing import TrustPolicy
 
-from .cache import DiskCache, Entry, stamp_of
+from .cache import DiskCache
+from .fill import MAX_STALE_S, FetchError, Filler, Found
 from .metrics import Metrics
-from .origin import Origin, OriginFailed, OriginMissing
+from .origin import Origin
 from .s3api import (
     ERROR_CODES,
     BucketView,
@@ -44,36 +42,16 @@ from .s3api import (
 )
 from .s3auth import S3Keys
 from .shaping import PIECE, LinkShaper
-from .verify import (
-    Verified,
-    VerifyError,
-    cache_control,
-    check_key,
-    max_bytes,
-    revalidated,
-    verify,
-)
+from .verify import cache_control, check_key
 from .warm import Warmer
 
 log = logging.getLogger(__name__)
 
-POINTER_TTL_S = 5.0  # how long the edge itself reuses a pointer (latest.json, ...)
-LISTING_TTL_S = 5.0  # and a listing of the origin
-MAX_STALE_S = 86400.0  # a pointer is served this stale at most while the origin is down
-MAX_FRESH = 10_000  # revalidated objects held in memory (least recently used dropped)
 MAX_WARM_KEYS = 100_000
 MAX_BODY = 16 << 20  # a warm request with MAX_WARM_KEYS keys fits
 MAX_LINE = 8190
 MAX_FIELD = 8190
 _RANGE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # 19 digits: any real offset
-
-
-class FetchError(Exception):
-    """A miss that could not be served; one instance is shared by coalesced waiters."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Edge:
@@ -103,7 +81,6 @@ class Edge:
         self.read_token = read_token
         self.trust = trust
         self.s3_keys = s3_keys
-        self.max_stale_s = max_stale_s
         # Without an admin token, warming is as open as reading (it fetches
         # nothing a reader could not make the edge fetch).
         self.admin_token = admin_token if admin_token is not None else read_token
@@ -112,11 +89,7 @@ class Edge:
         self.metrics = Metrics()
         self._warm_concurrency = warm_concurrency
         self.warmer: Warmer | None = None  # made on start-up, inside the event loop
-        self._inflight: dict[str, asyncio.Task[tuple[bytes, Verified]]] = {}
-        self._keeping: dict[str, asyncio.Task[None]] = {}  # disk writes after a fill
-        # pointers (and unsigned manifests): when fetched (monotonic), bytes, what they are
-        self._fresh: OrderedDict[str, tuple[float, bytes, Verified]] = OrderedDict()
-        self._listings: dict[str, tuple[float, dict[str, int]]] = {}
+        self.fill = Filler(cache, origins, self.metrics, trust=trust, max_stale_s=max_stale_s)
 
     # ---- the app -------------------------------------------------------------
     def app(self) -> web.Application:
@@ -135,11 +108,10 @@ class Edge:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self.warmer = Warmer(self._ensure, self._warm_concurrency)
+        self.warmer = Warmer(self.fill.ensure, self._warm_concurrency)
 
     async def _close(self, app: web.Application) -> None:
-        if self._keeping:  # objects already fetched are worth their disk write
-            await asyncio.wait(list(self._keeping.values()), timeout=10)
+        await self.fill.finish_writes(timeout_s=10)
         if self.warmer is not None:
             await self.warmer.close()
         for origin in self.origins:
@@ -222,36 +194,19 @@ class Edge:
         prefix = view.store_prefix(query.prefix)
         sizes: dict[str, int] = {}
         if prefix is not None:
-            sizes = {view.prefix + k: n for k, n in (await self._listing(prefix)).items()}
+            try:
+                found = await self.fill.listing(prefix)
+            except FetchError as exc:
+                raise S3RequestError(exc.status, ERROR_CODES[exc.status], str(exc)) from None
+            sizes = {view.prefix + k: n for k, n in found.items()}
         page = list_page(sizes, query)
         return web.Response(body=list_xml(view.bucket, query, page), content_type="application/xml")
-
-    async def _listing(self, prefix: str) -> dict[str, int]:
-        """Servable store keys under ``prefix`` with their sizes, from the first origin
-        that answers; reused for a few seconds, like pointers."""
-        cached = self._listings.get(prefix)
-        if cached and time.monotonic() - cached[0] < LISTING_TTL_S:
-            return cached[1]
-        last: Exception | None = None
-        for origin in self.origins:
-            try:
-                found = await origin.list(prefix)
-            except OriginFailed as exc:
-                last = exc
-                continue
-            sizes = {k: n for k, n in found.items() if check_key(k) is not None}
-            if len(self._listings) > 1024:
-                self._listings.clear()
-            self._listings[prefix] = (time.monotonic(), sizes)
-            return sizes
-        status = 504 if isinstance(last, OriginFailed) and last.timeout else 502
-        raise S3RequestError(status, ERROR_CODES[status], f"cannot list {prefix!r}: {last}")
 
     async def _respond(
         self, request: web.Request, key: str, info: KeyInfo, *, s3: bool
     ) -> web.StreamResponse:
         try:
-            found = await self._object(key, info)
+            found = await self.fill.object(key, info)
         except FetchError as exc:  # a fresh response per request, even for shared failures
             if s3:
                 return _s3_error(
@@ -377,21 +332,6 @@ class Edge:
         ]
         return web.json_response({"jobs": jobs})
 
-    async def _ensure(self, key: str) -> tuple[str, int]:
-        """Make ``key`` cached: ("cached", 0) if it was, else ("fetched", its size)."""
-        info = check_key(key)
-        assert info is not None  # warm requests are checked on arrival
-        if not revalidated(info, self.trust) and self.cache.lookup(key) is not None:
-            return "cached", 0
-        try:
-            data, _ = await self._miss(key, info)
-        except FetchError as exc:
-            raise RuntimeError(f"{exc} ({exc.status})") from None
-        keeping = self._keeping.get(key)
-        if keeping is not None:  # "done" means on disk, not only fetched
-            await asyncio.shield(keeping)
-        return "fetched", len(data)
-
     def _authorise(self, request: web.Request, token: str | None) -> None:
         if token is None:
             return
@@ -413,216 +353,6 @@ class Edge:
             if hmac.compare_digest(given, f"Bearer {self.read_token}".encode()):
                 return
         self.s3_keys.verify(request.method, request.host, request.raw_path, request.headers)
-
-    async def _object(self, key: str, info: KeyInfo) -> Found:
-        if revalidated(info, self.trust):
-            return await self._revalidated(key, info)
-        entry = self.cache.lookup(key)
-        if entry is not None:
-            found = await self._open_cached(entry, info)
-            if found is not None:
-                self.metrics.hits += 1
-                return found
-        data, verified = await self._miss(key, info)
-        return Found(verified.etag, len(data), data=data)
-
-    async def _revalidated(self, key: str, info: KeyInfo) -> Found:
-        """A pointer (or a manifest the edge cannot verify): reused for a few seconds,
-        then fetched again; served stale, with a warning, while the origin is down."""
-        held = self._fresh.get(key)
-        now = time.monotonic()
-        if held is not None and now - held[0] < POINTER_TTL_S:
-            self.metrics.hits += 1
-            self._fresh.move_to_end(key)
-            return Found(held[2].etag, len(held[1]), data=held[1])
-        try:
-            data, verified = await self._miss(key, info)
-        except FetchError as exc:
-            if exc.status == 404:
-                raise
-            stale = await self._stale_copy(key, info)
-            if stale is None:
-                raise
-            self.metrics.stale_served += 1
-            log.warning("origin unavailable: serving %s stale (%.0f s old)", key, stale.age_s)
-            return stale
-        return Found(verified.etag, len(data), data=data)
-
-    async def _stale_copy(self, key: str, info: KeyInfo) -> Found | None:
-        """The last good copy of a revalidated key, if not older than ``max_stale_s``."""
-        held = await self._held(key, info)
-        if held is None or held[0] > self.max_stale_s:
-            return None
-        age, data, verified = held
-        return Found(verified.etag, len(data), data=data, stale=True, age_s=age)
-
-    async def _held(self, key: str, info: KeyInfo) -> tuple[float, bytes, Verified] | None:
-        """The copy of a revalidated key this edge holds, and its age in seconds: in
-        memory, else on disk (kept before a restart; verified again, its age the file's)."""
-        held = self._fresh.get(key)
-        if held is not None:
-            return time.monotonic() - held[0], held[1], held[2]
-        entry = self.cache.lookup(key)
-        if entry is None:
-            return None
-        try:
-            age = time.time() - entry.path.stat().st_mtime
-            data = await asyncio.to_thread(entry.path.read_bytes)
-            verified = await asyncio.to_thread(verify, key, info, data, self.trust)
-        except (OSError, VerifyError) as exc:
-            log.warning("dropping the kept copy of %s: %s", key, exc)
-            self.cache.drop(key)
-            return None
-        return age, data, verified
-
-    async def _open_cached(self, entry: Entry, info: KeyInfo) -> Found | None:
-        """The cached bytes of ``entry``: sent from the file (sendfile) while the file
-        is as it was when last verified; read and verified again otherwise (the
-        first use after a start, or a file someone changed)."""
-        try:
-            f = open(entry.path, "rb")  # noqa: SIM115 (handed to the response, which closes it)
-        except OSError as exc:
-            log.warning("cached copy of %s is unreadable, refetching: %s", entry.key, exc)
-            self.cache.drop(entry.key)
-            return None
-        try:
-            stamp = stamp_of(os.fstat(f.fileno()))
-            if stamp == entry.verified:
-                return Found(entry.etag, stamp[1], file=f)
-            data, verified = await asyncio.to_thread(_read_verified, f, entry.key, info, self.trust)
-            after = stamp_of(os.fstat(f.fileno()))
-        except (OSError, VerifyError) as exc:
-            f.close()
-            self.metrics.verify_failures += isinstance(exc, VerifyError)
-            log.warning("cached copy of %s is damaged, refetching: %s", entry.key, exc)
-            self.cache.drop(entry.key)
-            return None
-        f.close()
-        entry.etag = verified.etag  # the same, unless the entry was filled by an older edge
-        if after == stamp:
-            entry.verified = stamp
-        return Found(verified.etag, len(data), data=data)
-
-    async def _miss(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
-        """Fetch ``key`` once for everyone who asks while the fetch runs."""
-        task = self._inflight.get(key)
-        if task is None:
-            self.metrics.misses += 1
-            # The fetch is a task of its own: a client that goes away does not
-            # cancel the fetch that other clients are waiting for.
-            task = asyncio.get_running_loop().create_task(self._fill(key, info))
-            task.add_done_callback(_retrieve)
-            self._inflight[key] = task
-        elif task.done():  # fetched, its disk write still running: served from memory
-            self.metrics.hits += 1
-        else:
-            self.metrics.coalesced += 1
-        return await asyncio.shield(task)
-
-    async def _fill(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
-        try:
-            data, verified = await self._fetch(key, info)
-        except BaseException:
-            del self._inflight[key]
-            raise
-        if revalidated(info, self.trust):
-            data, verified, changed = await self._newer_of(key, info, data, verified)
-            self._fresh[key] = (time.monotonic(), data, verified)
-            self._fresh.move_to_end(key)
-            while len(self._fresh) > MAX_FRESH:
-                self._fresh.popitem(last=False)
-            if not changed:
-                del self._inflight[key]
-                return data, verified
-        # Clients are answered now; the disk write follows. Until it is done,
-        # the finished task stays in _inflight and serves later requests.
-        keeping = asyncio.get_running_loop().create_task(self._keep(key, data, verified.etag))
-        self._keeping[key] = keeping
-        return data, verified
-
-    async def _newer_of(
-        self, key: str, info: KeyInfo, data: bytes, verified: Verified
-    ) -> tuple[bytes, Verified, bool]:
-        """What to hold for a refreshed pointer: the fetched one, unless it is older than
-        the one held (a replayed signed pointer). Also whether the disk copy must change."""
-        held = await self._held(key, info)
-        if held is None:
-            return data, verified, True
-        _, held_data, held_verified = held
-        if self.trust is not None and verified.version < held_verified.version:
-            self.metrics.rollbacks_refused += 1
-            log.error(
-                "the origin offers %s at version %d, older than the %d this edge holds: "
-                "keeping the newer", key, verified.version, held_verified.version,
-            )  # fmt: skip
-            return held_data, held_verified, False
-        return data, verified, verified.etag != held_verified.etag
-
-    async def _keep(self, key: str, data: bytes, tag: str) -> None:
-        try:
-            await asyncio.to_thread(self.cache.store, key, data, tag)
-        finally:
-            self._inflight.pop(key, None)
-            self._keeping.pop(key, None)
-
-    async def _fetch(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
-        last: Exception | None = None
-        for origin in self.origins:
-            start = time.perf_counter()
-            try:
-                data = await origin.fetch(key, max_bytes(info))
-            except OriginMissing:
-                raise FetchError(404, f"{key} does not exist at the origin") from None
-            except OriginFailed as exc:
-                self.metrics.origin_errors += 1
-                last = exc
-                continue
-            finally:
-                self.metrics.origin_fetches += 1
-                self.metrics.origin_seconds += time.perf_counter() - start
-            try:
-                verified = await asyncio.to_thread(verify, key, info, data, self.trust)
-            except VerifyError as exc:
-                self.metrics.verify_failures += 1
-                log.error("origin %s sent bad bytes for %s: %s", origin.url, key, exc)
-                last = OriginFailed(f"{origin.url} sent bytes that fail verification: {exc}")
-                continue
-            return data, verified
-        assert last is not None
-        if isinstance(last, OriginFailed) and last.timeout:
-            raise FetchError(504, f"origin unavailable (timed out) fetching {key}: {last}")
-        raise FetchError(502, f"origin unavailable: cannot fetch {key}: {last}")
-
-
-class Found:
-    """An object to send: its bytes in memory, or an open file of verified bytes."""
-
-    def __init__(
-        self,
-        etag: str,
-        size: int,
-        *,
-        data: bytes = b"",
-        file: BinaryIO | None = None,
-        stale: bool = False,
-        age_s: float = 0.0,
-    ) -> None:
-        self.etag = etag
-        self.size = size
-        self.data = data
-        self.file = file
-        self.stale = stale  # a revalidated object served while the origin is down
-        self.age_s = age_s
-
-    def take_file(self) -> BinaryIO:
-        assert self.file is not None
-        f, self.file = self.file, None
-        return f
-
-    def release(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
 
 
 class _FileBody(web.StreamResponse):
@@ -701,19 +431,6 @@ class _ShapedBody(web.StreamResponse):
         finally:
             if self._file is not None:
                 self._file.close()
-
-
-def _read_verified(
-    f: BinaryIO, key: str, info: KeyInfo, trust: TrustPolicy | None
-) -> tuple[bytes, Verified]:
-    data = f.read()
-    return data, verify(key, info, data, trust)
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    """Mark a fill's failure as seen: its waiters re-raise it, or nobody waits."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _s3_error(status: int, code: str, message: str, resource: str) -> web.Response:
