@@ -14,34 +14,30 @@ and ``POST /warm`` (:mod:`.warm`) fetches lists of keys in the background.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import re
-from typing import BinaryIO
 
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 
 from kvcdn.errors import InputError
 from kvcdn.keys import KeyInfo
 from kvcdn.signing import TrustPolicy
 
 from .cache import DiskCache
-from .fill import MAX_STALE_S, FetchError, Filler, Found
+from .fill import MAX_STALE_S, FetchError, Filler
 from .metrics import Metrics
 from .origin import Origin
+from .respond import answer, s3_error
 from .s3api import (
     ERROR_CODES,
     BucketView,
     ListRequest,
     S3RequestError,
-    error_xml,
     list_page,
     list_xml,
 )
 from .s3auth import S3Keys
-from .shaping import PIECE, LinkShaper
+from .shaping import LinkShaper
 from .verify import cache_control, check_key
 from .warm import Warmer
 
@@ -51,7 +47,6 @@ MAX_WARM_KEYS = 100_000
 MAX_BODY = 16 << 20  # a warm request with MAX_WARM_KEYS keys fits
 MAX_LINE = 8190
 MAX_FIELD = 8190
-_RANGE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # 19 digits: any real offset
 
 
 class Edge:
@@ -148,9 +143,9 @@ class Edge:
             self._authorise_read(request)
             return await self._s3(request, path)
         except S3RequestError as exc:
-            return _s3_error(exc.status, exc.code, str(exc), path)
+            return s3_error(exc.status, exc.code, str(exc), path)
         except web.HTTPUnauthorized as exc:  # S3 clients expect an S3 error document
-            return _s3_error(403, "AccessDenied", exc.text or "", path)
+            return s3_error(403, "AccessDenied", exc.text or "", path)
 
     async def _s3(self, request: web.Request, path: str) -> web.StreamResponse:
         bucket, _, s3_key = path.partition("/")
@@ -181,13 +176,13 @@ class Edge:
         try:
             self._authorise_read(request)
         except S3RequestError as exc:
-            return _s3_error(exc.status, exc.code, str(exc), "/")
+            return s3_error(exc.status, exc.code, str(exc), "/")
         except web.HTTPUnauthorized as exc:
-            return _s3_error(403, "AccessDenied", exc.text or "", "/")
+            return s3_error(403, "AccessDenied", exc.text or "", "/")
         try:
             return await self._list(request, BucketView(""))
         except S3RequestError as exc:
-            return _s3_error(exc.status, exc.code, str(exc), "/")
+            return s3_error(exc.status, exc.code, str(exc), "/")
 
     async def _list(self, request: web.Request, view: BucketView) -> web.StreamResponse:
         query = ListRequest.parse(dict(request.query))
@@ -209,65 +204,17 @@ class Edge:
             found = await self.fill.object(key, info)
         except FetchError as exc:  # a fresh response per request, even for shared failures
             if s3:
-                return _s3_error(
+                return s3_error(
                     exc.status, ERROR_CODES.get(exc.status, "InternalError"), str(exc), key
                 )
             return web.Response(status=exc.status, text=f"{exc}\n")
         try:
-            return self._answer(request, key, info, found, s3)
-        finally:
-            found.release()  # _FileBody takes its own handle; anything unsent is closed here
-
-    def _answer(
-        self, request: web.Request, key: str, info: KeyInfo, found: Found, s3: bool
-    ) -> web.StreamResponse:
-        tag, size = found.etag, found.size
-        headers = {
-            "ETag": tag,
-            "Cache-Control": cache_control(info, self.trust),
-            "Accept-Ranges": "bytes",
-        }
-        if found.stale:  # RFC 9111's stale-if-error: the origin is down
-            headers["Warning"] = '110 - "Response is Stale"'
-            headers["Age"] = str(int(found.age_s))
-        if_match = request.headers.get("If-Match")
-        if if_match is not None and not _matches(if_match, tag):
-            if s3:
-                return _s3_error(412, "PreconditionFailed", "the object's ETag differs", key)
-            return web.Response(status=412, headers=headers, text="If-Match does not match\n")
-        if _matches(request.headers.get("If-None-Match"), tag):
-            return web.Response(status=304, headers=headers)
-        content_type = "application/json" if key.endswith(".json") else "application/octet-stream"
-        status, start, end = 200, 0, size - 1
-        spec = request.headers.get("Range")
-        if spec is not None and _matches(request.headers.get("If-Range", tag), tag):
-            span = _parse_range(spec, size)
-            if span == "unsatisfiable":
-                headers["Content-Range"] = f"bytes */{size}"
-                if s3:
-                    return _s3_error(416, "InvalidRange", "the range is not satisfiable", key)
-                return web.Response(status=416, headers=headers)
-            if isinstance(span, tuple) and span != (0, size - 1):
-                status, (start, end) = 206, span
-                headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-        if request.method != "HEAD":
-            self.metrics.bytes_served += end + 1 - start
-        if self.shaper is not None and request.method != "HEAD":
-            if found.file is not None:
-                return _ShapedBody(
-                    self.shaper, status, headers, content_type, start, end + 1 - start,
-                    file=found.take_file(),
-                )  # fmt: skip
-            return _ShapedBody(
-                self.shaper, status, headers, content_type, start, end + 1 - start,
-                data=found.data,
+            return answer(
+                request, key, found, cache_control=cache_control(info, self.trust), s3=s3,
+                metrics=self.metrics, shaper=self.shaper,
             )  # fmt: skip
-        if found.file is not None:
-            return _FileBody(
-                found.take_file(), start, end + 1 - start, status, headers, content_type
-            )
-        body = found.data if (start, end) == (0, size - 1) else found.data[start : end + 1]
-        return web.Response(status=status, body=body, headers=headers, content_type=content_type)
+        finally:
+            found.release()  # FileBody takes its own handle; anything unsent is closed here
 
     # ---- warming -------------------------------------------------------------
     async def warm(self, request: web.Request) -> web.Response:
@@ -353,118 +300,6 @@ class Edge:
             if hmac.compare_digest(given, f"Bearer {self.read_token}".encode()):
                 return
         self.s3_keys.verify(request.method, request.host, request.raw_path, request.headers)
-
-
-class _FileBody(web.StreamResponse):
-    """A byte range of an open file, sent with sendfile(2): no copies through Python."""
-
-    def __init__(
-        self,
-        file: BinaryIO,
-        offset: int,
-        count: int,
-        status: int,
-        headers: dict[str, str],
-        content_type: str,
-    ) -> None:
-        super().__init__(status=status, headers=headers)
-        self.content_type = content_type
-        self.content_length = count
-        self._file, self._offset, self._count = file, offset, count
-
-    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        try:
-            writer = await super().prepare(request)  # sends the headers
-            assert writer is not None
-            if request.method != "HEAD" and self._count:
-                transport = request.transport
-                if transport is None:
-                    raise ConnectionResetError("the client went away")
-                try:
-                    await asyncio.get_running_loop().sendfile(
-                        transport, self._file, self._offset, self._count
-                    )
-                except NotImplementedError:  # no sendfile for this transport (TLS, ...)
-                    self._file.seek(self._offset)
-                    await writer.write(self._file.read(self._count))
-            await super().write_eof()
-            return writer
-        finally:
-            self._file.close()
-
-
-class _ShapedBody(web.StreamResponse):
-    """A body sent in pieces, each when the shaped link has room for it."""
-
-    def __init__(
-        self,
-        shaper: LinkShaper,
-        status: int,
-        headers: dict[str, str],
-        content_type: str,
-        offset: int,
-        count: int,
-        *,
-        data: bytes = b"",
-        file: BinaryIO | None = None,
-    ) -> None:
-        super().__init__(status=status, headers=headers)
-        self.content_type = content_type
-        self.content_length = count
-        self._shaper, self._offset, self._count = shaper, offset, count
-        self._data, self._file = data, file
-
-    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        try:
-            writer = await super().prepare(request)
-            assert writer is not None
-            if self._file is not None:
-                self._file.seek(self._offset)
-            view = memoryview(self._data)
-            for at in range(self._offset, self._offset + self._count, PIECE):
-                n = min(PIECE, self._offset + self._count - at)
-                await self._shaper.send(n)
-                piece = self._file.read(n) if self._file is not None else view[at : at + n]
-                await writer.write(piece)
-            await super().write_eof()
-            return writer
-        finally:
-            if self._file is not None:
-                self._file.close()
-
-
-def _s3_error(status: int, code: str, message: str, resource: str) -> web.Response:
-    return web.Response(
-        status=status,
-        body=error_xml(code, message, resource),
-        content_type="application/xml",
-    )
-
-
-def _matches(header: str | None, tag: str) -> bool:
-    if header is None:
-        return False
-    values = [v.strip().removeprefix("W/") for v in header.split(",")]
-    return "*" in values or tag in values
-
-
-def _parse_range(spec: str, size: int) -> tuple[int, int] | str | None:
-    """One ``bytes=a-b`` range -> inclusive (start, end); "unsatisfiable"; or None to
-    ignore it (malformed or several ranges: the whole object is sent, as RFC 9110 allows)."""
-    m = _RANGE.match(spec.strip())
-    if not m or (not m.group(1) and not m.group(2)):
-        return None
-    first, last = m.group(1), m.group(2)
-    if not first:  # the last N bytes
-        n = int(last)
-        return "unsatisfiable" if n == 0 or size == 0 else (max(0, size - n), size - 1)
-    start = int(first)
-    end = min(int(last), size - 1) if last else size - 1
-    if start >= size:
-        return "unsatisfiable"
-    if start > end:
-        return None  # "bytes=5-3" is invalid, not unsatisfiable
-    return start, end
 
 
 def run(edge: Edge, host: str, port: int) -> None:

@@ -1,0 +1,194 @@
+"""One object as an HTTP response: its ETag and Cache-Control, conditional requests
+(``If-Match``, ``If-None-Match``, ``If-Range``), one byte range (206, 416), and
+the body: from memory, from the file with sendfile(2), or through the shaped link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import BinaryIO
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+
+from .fill import Found
+from .metrics import Metrics
+from .s3api import error_xml
+from .shaping import PIECE, LinkShaper
+
+_RANGE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # 19 digits: any real offset
+
+
+def answer(
+    request: web.Request,
+    key: str,
+    found: Found,
+    *,
+    cache_control: str,
+    s3: bool,
+    metrics: Metrics,
+    shaper: LinkShaper | None,
+) -> web.StreamResponse:
+    """The response to a GET or HEAD of ``found``: 200, 206, 304, 412 or 416; S3's
+    error documents when ``s3``. ``found``'s file, if any, is taken by the body."""
+    tag, size = found.etag, found.size
+    headers = {
+        "ETag": tag,
+        "Cache-Control": cache_control,
+        "Accept-Ranges": "bytes",
+    }
+    if found.stale:  # RFC 9111's stale-if-error: the origin is down
+        headers["Warning"] = '110 - "Response is Stale"'
+        headers["Age"] = str(int(found.age_s))
+    if_match = request.headers.get("If-Match")
+    if if_match is not None and not matches(if_match, tag):
+        if s3:
+            return s3_error(412, "PreconditionFailed", "the object's ETag differs", key)
+        return web.Response(status=412, headers=headers, text="If-Match does not match\n")
+    if matches(request.headers.get("If-None-Match"), tag):
+        return web.Response(status=304, headers=headers)
+    content_type = "application/json" if key.endswith(".json") else "application/octet-stream"
+    status, start, end = 200, 0, size - 1
+    spec = request.headers.get("Range")
+    if spec is not None and matches(request.headers.get("If-Range", tag), tag):
+        span = parse_range(spec, size)
+        if span == "unsatisfiable":
+            headers["Content-Range"] = f"bytes */{size}"
+            if s3:
+                return s3_error(416, "InvalidRange", "the range is not satisfiable", key)
+            return web.Response(status=416, headers=headers)
+        if isinstance(span, tuple) and span != (0, size - 1):
+            status, (start, end) = 206, span
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    if request.method != "HEAD":
+        metrics.bytes_served += end + 1 - start
+    if shaper is not None and request.method != "HEAD":
+        if found.file is not None:
+            return ShapedBody(
+                shaper, status, headers, content_type, start, end + 1 - start,
+                file=found.take_file(),
+            )  # fmt: skip
+        return ShapedBody(
+            shaper, status, headers, content_type, start, end + 1 - start,
+            data=found.data,
+        )  # fmt: skip
+    if found.file is not None:
+        return FileBody(found.take_file(), start, end + 1 - start, status, headers, content_type)
+    body = found.data if (start, end) == (0, size - 1) else found.data[start : end + 1]
+    return web.Response(status=status, body=body, headers=headers, content_type=content_type)
+
+
+class FileBody(web.StreamResponse):
+    """A byte range of an open file, sent with sendfile(2): no copies through Python."""
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        offset: int,
+        count: int,
+        status: int,
+        headers: dict[str, str],
+        content_type: str,
+    ) -> None:
+        super().__init__(status=status, headers=headers)
+        self.content_type = content_type
+        self.content_length = count
+        self._file, self._offset, self._count = file, offset, count
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        try:
+            writer = await super().prepare(request)  # sends the headers
+            assert writer is not None
+            if request.method != "HEAD" and self._count:
+                transport = request.transport
+                if transport is None:
+                    raise ConnectionResetError("the client went away")
+                try:
+                    await asyncio.get_running_loop().sendfile(
+                        transport, self._file, self._offset, self._count
+                    )
+                except NotImplementedError:  # no sendfile for this transport (TLS, ...)
+                    self._file.seek(self._offset)
+                    await writer.write(self._file.read(self._count))
+            await super().write_eof()
+            return writer
+        finally:
+            self._file.close()
+
+
+class ShapedBody(web.StreamResponse):
+    """A body sent in pieces, each when the shaped link has room for it."""
+
+    def __init__(
+        self,
+        shaper: LinkShaper,
+        status: int,
+        headers: dict[str, str],
+        content_type: str,
+        offset: int,
+        count: int,
+        *,
+        data: bytes = b"",
+        file: BinaryIO | None = None,
+    ) -> None:
+        super().__init__(status=status, headers=headers)
+        self.content_type = content_type
+        self.content_length = count
+        self._shaper, self._offset, self._count = shaper, offset, count
+        self._data, self._file = data, file
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        try:
+            writer = await super().prepare(request)
+            assert writer is not None
+            if self._file is not None:
+                self._file.seek(self._offset)
+            view = memoryview(self._data)
+            for at in range(self._offset, self._offset + self._count, PIECE):
+                n = min(PIECE, self._offset + self._count - at)
+                await self._shaper.send(n)
+                piece = self._file.read(n) if self._file is not None else view[at : at + n]
+                await writer.write(piece)
+            await super().write_eof()
+            return writer
+        finally:
+            if self._file is not None:
+                self._file.close()
+
+
+def s3_error(status: int, code: str, message: str, resource: str) -> web.Response:
+    """S3's XML error document, which S3 clients map to their usual exceptions."""
+    return web.Response(
+        status=status,
+        body=error_xml(code, message, resource),
+        content_type="application/xml",
+    )
+
+
+def matches(header: str | None, tag: str) -> bool:
+    """Whether an ``If-Match``-style header names ``tag`` or ``*`` (a ``W/`` prefix is
+    ignored)."""
+    if header is None:
+        return False
+    values = [v.strip().removeprefix("W/") for v in header.split(",")]
+    return "*" in values or tag in values
+
+
+def parse_range(spec: str, size: int) -> tuple[int, int] | str | None:
+    """One ``bytes=a-b`` range -> inclusive (start, end); "unsatisfiable"; or None to
+    ignore it (malformed or several ranges: the whole object is sent, as RFC 9110 allows)."""
+    m = _RANGE.match(spec.strip())
+    if not m or (not m.group(1) and not m.group(2)):
+        return None
+    first, last = m.group(1), m.group(2)
+    if not first:  # the last N bytes
+        n = int(last)
+        return "unsatisfiable" if n == 0 or size == 0 else (max(0, size - n), size - 1)
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    if start >= size:
+        return "unsatisfiable"
+    if start > end:
+        return None  # "bytes=5-3" is invalid, not unsatisfiable
+    return start, end
