@@ -1,20 +1,19 @@
 """The edge cache node: an asyncio HTTP server in front of the object store.
 
 ``GET``/``HEAD /{key}`` serve any servable store key (see :mod:`.verify`) with
-byte ranges (206, 416), ETags and conditional GETs, and Cache-Control that
-lets any standard HTTP cache sit in front of or behind the edge. A miss is
-read through from the origin (or a parent edge first); concurrent misses for
-one key share a single origin fetch. Bytes are verified before they are
-cached, and again on their first use from disk after a start or after their
-file changed; verified files are sent with sendfile.
+byte ranges (206, 416), ETags and conditional GETs (:mod:`.respond`), and
+Cache-Control that lets any standard HTTP cache sit in front of or behind the
+edge. A miss is read through from the origin, or a parent edge first
+(:mod:`.fill`): concurrent misses for one key share a single origin fetch,
+and bytes are verified before they are cached.
 
 The same objects are readable through a path-style S3 API (:mod:`.s3api`),
-and ``POST /warm`` (:mod:`.warm`) fetches lists of keys in the background.
+and the admin endpoints (:mod:`.admin`) warm lists of keys in the background.
+This module routes requests to those parts and runs the app.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from aiohttp import web
@@ -23,6 +22,8 @@ from kvcdn.errors import InputError
 from kvcdn.keys import KeyInfo
 from kvcdn.signing import TrustPolicy
 
+from .admin import Admin
+from .auth import Access
 from .cache import DiskCache
 from .fill import MAX_STALE_S, FetchError, Filler
 from .metrics import Metrics
@@ -39,12 +40,10 @@ from .s3api import (
 from .s3auth import S3Keys
 from .shaping import LinkShaper
 from .verify import cache_control, check_key
-from .warm import Warmer
 
 log = logging.getLogger(__name__)
 
-MAX_WARM_KEYS = 100_000
-MAX_BODY = 16 << 20  # a warm request with MAX_WARM_KEYS keys fits
+MAX_BODY = 16 << 20  # only POST /warm has a body: one of admin.MAX_WARM_KEYS keys fits
 MAX_LINE = 8190
 MAX_FIELD = 8190
 
@@ -73,29 +72,22 @@ class Edge:
     ) -> None:
         self.cache = cache
         self.origins = origins
-        self.read_token = read_token
         self.trust = trust
-        self.s3_keys = s3_keys
-        # Without an admin token, warming is as open as reading (it fetches
-        # nothing a reader could not make the edge fetch).
-        self.admin_token = admin_token if admin_token is not None else read_token
+        self.access = Access(read_token, admin_token, s3_keys)
         self.view = view or BucketView("kvcdn")
         self.shaper = shaper  # sends bodies no faster than a rate or a trace
         self.metrics = Metrics()
-        self._warm_concurrency = warm_concurrency
-        self.warmer: Warmer | None = None  # made on start-up, inside the event loop
         self.fill = Filler(cache, origins, self.metrics, trust=trust, max_stale_s=max_stale_s)
+        self.admin = Admin(
+            self.access, self.fill.ensure, warm_concurrency=warm_concurrency, shaper=shaper
+        )
 
     # ---- the app -------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._count])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics_page)
-        app.router.add_post("/warm", self.warm)
-        app.router.add_get("/warm", self.warm_jobs)
-        app.router.add_get("/warm/{id:[0-9a-f]{16}}", self.warm_status)
-        app.router.add_get("/shaping", self.shaping)
-        app.router.add_post("/shaping", self.shaping)
+        self.admin.add_routes(app.router)  # before "/{path}", which would take them
         app.router.add_get("/", self.root_listing)
         app.router.add_get("/{path:.+}", self.serve)
         app.on_startup.append(self._start)
@@ -103,12 +95,11 @@ class Edge:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self.warmer = Warmer(self.fill.ensure, self._warm_concurrency)
+        await self.admin.start()
 
     async def _close(self, app: web.Application) -> None:
         await self.fill.finish_writes(timeout_s=10)
-        if self.warmer is not None:
-            await self.warmer.close()
+        await self.admin.close()
         for origin in self.origins:
             await origin.close()
 
@@ -135,12 +126,12 @@ class Edge:
         info = check_key(path)
         if info is not None:
             try:
-                self._authorise_read(request)
+                self.access.check_read(request)
             except S3RequestError as exc:
                 return web.Response(status=exc.status, text=f"{exc}\n")
             return await self._respond(request, path, info, s3=False)
         try:
-            self._authorise_read(request)
+            self.access.check_read(request)
             return await self._s3(request, path)
         except S3RequestError as exc:
             return s3_error(exc.status, exc.code, str(exc), path)
@@ -174,7 +165,7 @@ class Edge:
     async def root_listing(self, request: web.Request) -> web.StreamResponse:
         """``GET /?list-type=2&prefix=``: store keys, for child edges and tools."""
         try:
-            self._authorise_read(request)
+            self.access.check_read(request)
         except S3RequestError as exc:
             return s3_error(exc.status, exc.code, str(exc), "/")
         except web.HTTPUnauthorized as exc:
@@ -215,91 +206,6 @@ class Edge:
             )  # fmt: skip
         finally:
             found.release()  # FileBody takes its own handle; anything unsent is closed here
-
-    # ---- warming -------------------------------------------------------------
-    async def warm(self, request: web.Request) -> web.Response:
-        """``POST /warm`` with ``{"keys": [...]}``: fetch them in the background."""
-        self._authorise(request, self.admin_token)
-        assert self.warmer is not None
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise web.HTTPBadRequest(text='the body must be JSON: {"keys": [...]}\n') from None
-        keys = body.get("keys") if isinstance(body, dict) else None
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise web.HTTPBadRequest(text='the body must be JSON: {"keys": ["objects/..", ...]}\n')
-        if len(keys) > MAX_WARM_KEYS:
-            raise web.HTTPRequestEntityTooLarge(
-                max_size=MAX_WARM_KEYS,
-                actual_size=len(keys),
-                text=f"at most {MAX_WARM_KEYS} keys\n",
-            )
-        bad = [k for k in keys if check_key(k) is None]
-        if bad:
-            shown = ", ".join(repr(k[:200]) for k in bad[:5])
-            raise web.HTTPBadRequest(text=f"{len(bad)} keys are not kvcdn keys: {shown}\n")
-        job, started = self.warmer.submit(keys)
-        return web.json_response(
-            job.to_json(), status=202 if started else 200, headers={"Location": f"/warm/{job.id}"}
-        )
-
-    async def warm_status(self, request: web.Request) -> web.Response:
-        self._authorise(request, self.admin_token)
-        assert self.warmer is not None
-        job = self.warmer.jobs.get(request.match_info["id"])
-        if job is None:
-            raise web.HTTPNotFound(text="no such warm job (finished jobs are kept a while)\n")
-        return web.json_response(job.to_json())
-
-    # ---- link shaping ----------------------------------------------------------
-    async def shaping(self, request: web.Request) -> web.Response:
-        """``GET /shaping``: the shaped link's trace clock. ``POST /shaping`` with
-        ``{"offset_s": S}``: replay the trace from ``S`` now, on an idle link, so
-        that runs of an experiment see the same bandwidth (admin token)."""
-        self._authorise(request, self.admin_token)
-        if self.shaper is None:
-            raise web.HTTPNotFound(text="this edge does not shape its link\n")
-        if request.method == "POST":
-            try:
-                body = await request.json()
-                offset = float(body["offset_s"])
-            except (ValueError, UnicodeDecodeError, KeyError, TypeError):
-                raise web.HTTPBadRequest(text='the body must be JSON: {"offset_s": S}\n') from None
-            if not 0 <= offset < 1e9:
-                raise web.HTTPBadRequest(text="offset_s must be a non-negative number\n")
-            self.shaper.restart(offset)
-        return web.json_response({"trace_time_s": self.shaper.trace_time()})
-
-    async def warm_jobs(self, request: web.Request) -> web.Response:
-        self._authorise(request, self.admin_token)
-        assert self.warmer is not None
-        jobs = [
-            {k: v for k, v in j.to_json().items() if k != "errors"}
-            for j in self.warmer.jobs.values()
-        ]
-        return web.json_response({"jobs": jobs})
-
-    def _authorise(self, request: web.Request, token: str | None) -> None:
-        if token is None:
-            return
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise web.HTTPUnauthorized(
-                text="a valid bearer token is required\n",
-                headers={"WWW-Authenticate": 'Bearer realm="kvcdn-edge"'},
-            )
-
-    def _authorise_read(self, request: web.Request) -> None:
-        """Any read (a store key, an S3 path, a listing): the bearer token, or with S3 keys
-        an AWS Signature V4 by one of them; open when the edge has neither."""
-        if self.s3_keys is None:
-            self._authorise(request, self.read_token)
-            return
-        if self.read_token is not None:
-            given = request.headers.get("Authorization", "").encode()
-            if hmac.compare_digest(given, f"Bearer {self.read_token}".encode()):
-                return
-        self.s3_keys.verify(request.method, request.host, request.raw_path, request.headers)
 
 
 def run(edge: Edge, host: str, port: int) -> None:

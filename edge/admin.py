@@ -1,0 +1,113 @@
+"""The admin endpoints, behind the admin token (:mod:`.auth`).
+
+* ``POST /warm`` with ``{"keys": [...]}`` starts a warm job (:mod:`.warm`),
+  ``GET /warm/{id}`` is one job's progress and ``GET /warm`` all recent jobs;
+* ``GET /shaping`` reads a shaped edge's trace clock, and ``POST /shaping``
+  with ``{"offset_s": S}`` replays its trace from ``S`` (:mod:`.shaping`).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from .auth import Access
+from .shaping import LinkShaper
+from .verify import check_key
+from .warm import Ensure, Warmer
+
+MAX_WARM_KEYS = 100_000  # keys in one warm request
+
+
+class Admin:
+    """The admin routes of one edge; ``ensure`` fetches one key for warm jobs."""
+
+    def __init__(
+        self,
+        access: Access,
+        ensure: Ensure,
+        *,
+        warm_concurrency: int = 8,
+        shaper: LinkShaper | None = None,
+    ) -> None:
+        self.access = access
+        self.shaper = shaper
+        self._ensure = ensure
+        self._warm_concurrency = warm_concurrency
+        self.warmer: Warmer | None = None  # made on start-up, inside the event loop
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/warm", self.warm)
+        router.add_get("/warm", self.warm_jobs)
+        router.add_get("/warm/{id:[0-9a-f]{16}}", self.warm_status)
+        router.add_get("/shaping", self.shaping)
+        router.add_post("/shaping", self.shaping)
+
+    async def start(self) -> None:
+        self.warmer = Warmer(self._ensure, self._warm_concurrency)
+
+    async def close(self) -> None:
+        if self.warmer is not None:
+            await self.warmer.close()
+
+    # ---- warming -------------------------------------------------------------
+    async def warm(self, request: web.Request) -> web.Response:
+        """``POST /warm`` with ``{"keys": [...]}``: fetch them in the background."""
+        self.access.check_admin(request)
+        assert self.warmer is not None
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise web.HTTPBadRequest(text='the body must be JSON: {"keys": [...]}\n') from None
+        keys = body.get("keys") if isinstance(body, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise web.HTTPBadRequest(text='the body must be JSON: {"keys": ["objects/..", ...]}\n')
+        if len(keys) > MAX_WARM_KEYS:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=MAX_WARM_KEYS,
+                actual_size=len(keys),
+                text=f"at most {MAX_WARM_KEYS} keys\n",
+            )
+        bad = [k for k in keys if check_key(k) is None]
+        if bad:
+            shown = ", ".join(repr(k[:200]) for k in bad[:5])
+            raise web.HTTPBadRequest(text=f"{len(bad)} keys are not kvcdn keys: {shown}\n")
+        job, started = self.warmer.submit(keys)
+        return web.json_response(
+            job.to_json(), status=202 if started else 200, headers={"Location": f"/warm/{job.id}"}
+        )
+
+    async def warm_status(self, request: web.Request) -> web.Response:
+        self.access.check_admin(request)
+        assert self.warmer is not None
+        job = self.warmer.jobs.get(request.match_info["id"])
+        if job is None:
+            raise web.HTTPNotFound(text="no such warm job (finished jobs are kept a while)\n")
+        return web.json_response(job.to_json())
+
+    async def warm_jobs(self, request: web.Request) -> web.Response:
+        self.access.check_admin(request)
+        assert self.warmer is not None
+        jobs = [
+            {k: v for k, v in j.to_json().items() if k != "errors"}
+            for j in self.warmer.jobs.values()
+        ]
+        return web.json_response({"jobs": jobs})
+
+    # ---- link shaping ----------------------------------------------------------
+    async def shaping(self, request: web.Request) -> web.Response:
+        """``GET /shaping``: the shaped link's trace clock. ``POST /shaping`` with
+        ``{"offset_s": S}``: replay the trace from ``S`` now, on an idle link, so
+        that runs of an experiment see the same bandwidth (admin token)."""
+        self.access.check_admin(request)
+        if self.shaper is None:
+            raise web.HTTPNotFound(text="this edge does not shape its link\n")
+        if request.method == "POST":
+            try:
+                body = await request.json()
+                offset = float(body["offset_s"])
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+                raise web.HTTPBadRequest(text='the body must be JSON: {"offset_s": S}\n') from None
+            if not 0 <= offset < 1e9:
+                raise web.HTTPBadRequest(text="offset_s must be a non-negative number\n")
+            self.shaper.restart(offset)
+        return web.json_response({"trace_time_s": self.shaper.trace_time()})
