@@ -21,7 +21,8 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from typing import BinaryIO
+from collections.abc import Callable
+from typing import BinaryIO, Generic, TypeVar
 
 from kvcdn.keys import KeyInfo
 from kvcdn.signing import TrustPolicy
@@ -36,7 +37,31 @@ log = logging.getLogger(__name__)
 POINTER_TTL_S = 5.0  # how long the edge itself reuses a pointer (latest.json, ...)
 LISTING_TTL_S = 5.0  # and a listing of the origin
 MAX_STALE_S = 86400.0  # a pointer is served this stale at most while the origin is down
-MAX_FRESH = 10_000  # revalidated objects held in memory (least recently used dropped)
+
+# Every map below is keyed by what requests name, so each has a bound; beyond it
+# the least recently used entries are dropped (or, for fills, new ones refused).
+#
+# Pointers (and, without trust keys, manifests) held in memory. Any number of
+# document names can be asked for; 10,000 covers the documents a busy edge serves
+# at once. A dropped one is fetched again, and its disk copy still serves
+# stale-if-error and the rollback check.
+MAX_POINTERS = 10_000
+# ... and their bytes: a pointer is at most 64 KiB, but an unsigned manifest held
+# here may be 64 MiB, and 10,000 of those would not fit in any edge's memory.
+MAX_POINTERS_BYTES = 256 << 20
+# Listings of the origin, by prefix (any prefix can be asked for): 1,024, as
+# before, and at most a million keys in all (about 200 MB); a larger listing is
+# answered but not kept.
+MAX_LISTINGS = 1024
+MAX_LISTED_KEYS = 1_000_000
+# Keys being fetched, or fetched and waiting for their disk write, at once. Each
+# holds a task and, once fetched, its bytes: beyond this a new miss is answered
+# 503 rather than queued without end. Far above what the store's 64 fetch threads
+# or a parent's 2 GiB in flight can move at once, so only a flood reaches it.
+MAX_FILLS = 4096
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class FetchError(Exception):
@@ -78,6 +103,44 @@ class Found:
             self.file = None
 
 
+class BoundedLRU(Generic[K, V]):
+    """A map that drops its least recently used entries beyond ``max_items`` of them,
+    or beyond ``max_weight`` in all, each entry weighing ``weigh(value)``."""
+
+    def __init__(self, max_items: int, max_weight: int, weigh: Callable[[V], int]) -> None:
+        self.max_items = max_items
+        self.max_weight = max_weight
+        self.weight = 0
+        self._weigh = weigh
+        self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()  # oldest use first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> V | None:
+        """The value held for ``key``, now marked as just used; None if none is."""
+        held = self._entries.get(key)
+        if held is None:
+            return None
+        self._entries.move_to_end(key)
+        return held[0]
+
+    def put(self, key: K, value: V) -> None:
+        """Hold ``value`` for ``key``, as just used. A value heavier than ``max_weight``
+        on its own is not held, and neither is what ``key`` held before."""
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.weight -= old[1]
+        weight = self._weigh(value)
+        if weight > self.max_weight:
+            return
+        self._entries[key] = (value, weight)
+        self.weight += weight
+        while len(self._entries) > self.max_items or self.weight > self.max_weight:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.weight -= dropped
+
+
 class Filler:
     """What the edge holds or fetches for a key, and what its origins list.
 
@@ -100,11 +163,17 @@ class Filler:
         self.metrics = metrics
         self.trust = trust
         self.max_stale_s = max_stale_s
+        # at most MAX_FILLS; _keeping's keys are always in _inflight too
         self._inflight: dict[str, asyncio.Task[tuple[bytes, Verified]]] = {}
         self._keeping: dict[str, asyncio.Task[None]] = {}  # disk writes after a fill
         # pointers (and unsigned manifests): when fetched (monotonic), bytes, what they are
-        self._fresh: OrderedDict[str, tuple[float, bytes, Verified]] = OrderedDict()
-        self._listings: dict[str, tuple[float, dict[str, int]]] = {}
+        self.pointers: BoundedLRU[str, tuple[float, bytes, Verified]] = BoundedLRU(
+            MAX_POINTERS, MAX_POINTERS_BYTES, lambda held: len(held[1])
+        )
+        # listings by prefix: when fetched (monotonic), servable keys and their sizes
+        self._listings: BoundedLRU[str, tuple[float, dict[str, int]]] = BoundedLRU(
+            MAX_LISTINGS, MAX_LISTED_KEYS, lambda listing: len(listing[1])
+        )
 
     async def finish_writes(self, timeout_s: float) -> None:
         """Wait (up to ``timeout_s``) for the disk writes of objects already fetched:
@@ -156,9 +225,7 @@ class Filler:
                 last = exc
                 continue
             sizes = {k: n for k, n in found.items() if check_key(k) is not None}
-            if len(self._listings) > 1024:
-                self._listings.clear()
-            self._listings[prefix] = (time.monotonic(), sizes)
+            self._listings.put(prefix, (time.monotonic(), sizes))
             return sizes
         status = 504 if isinstance(last, OriginFailed) and last.timeout else 502
         raise FetchError(status, f"cannot list {prefix!r}: {last}")
@@ -166,11 +233,10 @@ class Filler:
     async def _revalidated(self, key: str, info: KeyInfo) -> Found:
         """A pointer (or a manifest the edge cannot verify): reused for a few seconds,
         then fetched again; served stale, with a warning, while the origin is down."""
-        held = self._fresh.get(key)
+        held = self.pointers.get(key)
         now = time.monotonic()
         if held is not None and now - held[0] < POINTER_TTL_S:
             self.metrics.hits += 1
-            self._fresh.move_to_end(key)
             return Found(held[2].etag, len(held[1]), data=held[1])
         try:
             data, verified = await self._miss(key, info)
@@ -196,7 +262,7 @@ class Filler:
     async def _held(self, key: str, info: KeyInfo) -> tuple[float, bytes, Verified] | None:
         """The copy of a revalidated key this edge holds, and its age in seconds: in
         memory, else on disk (kept before a restart; verified again, its age the file's)."""
-        held = self._fresh.get(key)
+        held = self.pointers.get(key)
         if held is not None:
             return time.monotonic() - held[0], held[1], held[2]
         entry = self.cache.lookup(key)
@@ -244,6 +310,9 @@ class Filler:
         """Fetch ``key`` once for everyone who asks while the fetch runs."""
         task = self._inflight.get(key)
         if task is None:
+            if len(self._inflight) >= MAX_FILLS:
+                log.debug("refusing a miss for %s: %d fills under way", key, MAX_FILLS)
+                raise FetchError(503, f"the edge is fetching {MAX_FILLS} keys: try {key} later")
             self.metrics.misses += 1
             # The fetch is a task of its own: a client that goes away does not
             # cancel the fetch that other clients are waiting for.
@@ -264,10 +333,7 @@ class Filler:
             raise
         if revalidated(info, self.trust):
             data, verified, changed = await self._newer_of(key, info, data, verified)
-            self._fresh[key] = (time.monotonic(), data, verified)
-            self._fresh.move_to_end(key)
-            while len(self._fresh) > MAX_FRESH:
-                self._fresh.popitem(last=False)
+            self.pointers.put(key, (time.monotonic(), data, verified))
             if not changed:
                 del self._inflight[key]
                 return data, verified

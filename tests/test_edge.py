@@ -1,7 +1,9 @@
-"""Edge cache nodes as real processes, in front of moto's S3 server on loopback."""
+"""Edge cache nodes as real processes, in front of moto's S3 server on loopback; and
+real edges in this process, where the bounds of their in-memory maps can be seen."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -12,9 +14,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import aiohttp
 import boto3
 import pytest
+from aiohttp import web
 
+from kvcdn.edge import fill
+from kvcdn.edge.cache import DiskCache
+from kvcdn.edge.fill import BoundedLRU
+from kvcdn.edge.origin import OriginMissing, open_origin
+from kvcdn.edge.server import Edge
+from kvcdn.keys import latest_key, object_key
+from kvcdn.manifest import pointer_bytes
 from tests.conftest import free_port
 from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get
 
@@ -306,3 +317,103 @@ def test_full_disk_stops_caching_but_keeps_serving(origin, tiny_disk):
         assert not [p for p in tiny_disk.rglob(".*") if p.is_file()]  # no partial files left
     finally:
         node.kill()
+
+
+@contextlib.asynccontextmanager
+async def _serving(node: Edge):
+    """``node``'s app on a loopback port, in this process; yields its URL."""
+    runner = web.AppRunner(node.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+class _StalledOrigin:
+    """An origin whose fetches wait until ``release`` is set, then find nothing."""
+
+    url = "stalled://"
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.fetching = 0  # fetches started
+
+    async def fetch(self, key: str, max_bytes: int) -> bytes:
+        self.fetching += 1
+        await self.release.wait()
+        raise OriginMissing(key)
+
+    async def list(self, prefix: str) -> dict[str, int]:
+        return {}
+
+    async def close(self) -> None:
+        pass
+
+
+def _object_key(i: int) -> str:
+    return object_key(f"{i:064x}", "fp16-0123456789ab", f"{i:064x}")
+
+
+def test_the_pointer_cache_stays_bounded_over_many_document_names(tmp_path, monkeypatch):
+    monkeypatch.setattr(fill, "MAX_POINTERS", 8)
+    root = tmp_path / "origin"
+    names = [f"doc{i}" for i in range(40)]
+    for name in names:
+        path = root / latest_key(name)
+        path.parent.mkdir(parents=True)
+        path.write_bytes(pointer_bytes(name, 1))
+
+    async def main() -> None:
+        node = Edge(DiskCache(tmp_path / "cache", 1 << 30), [open_origin(str(root))])
+        async with _serving(node) as url, aiohttp.ClientSession() as client:
+            for _ in range(2):  # the second round finds most names dropped: fetched again
+                for name in names:
+                    async with client.get(f"{url}/{latest_key(name)}") as resp:
+                        assert resp.status == 200
+                        assert await resp.read() == pointer_bytes(name, 1)
+                    assert len(node.fill.pointers) <= 8
+        assert len(node.fill.pointers) == 8
+        assert node.metrics.misses == 2 * len(names)
+
+    asyncio.run(main())
+
+
+def test_pointers_are_held_up_to_a_total_weight_too():
+    held: BoundedLRU[str, bytes] = BoundedLRU(10, 100, len)
+    for i in range(5):
+        held.put(f"k{i}", b"x" * 30)
+    assert len(held) == 3 and held.weight == 90  # the two least recently used dropped
+    assert held.get("k0") is None and held.get("k2") is not None
+    held.put("k5", b"x" * 30)  # k3 is now the least recently used
+    assert held.get("k3") is None and held.get("k2") is not None
+    held.put("huge", b"x" * 101)  # heavier than the whole bound: not held at all
+    assert held.get("huge") is None and len(held) == 3
+
+
+def test_misses_beyond_the_fill_bound_are_refused_not_queued(tmp_path, monkeypatch):
+    monkeypatch.setattr(fill, "MAX_FILLS", 3)
+
+    async def main() -> None:
+        origin = _StalledOrigin()
+        node = Edge(DiskCache(tmp_path / "cache", 1 << 30), [origin])
+        async with _serving(node) as url, aiohttp.ClientSession() as client:
+
+            async def status(i: int) -> int:
+                async with client.get(f"{url}/{_object_key(i)}") as resp:
+                    return resp.status
+
+            stalled = [asyncio.create_task(status(i)) for i in range(3)]
+            while origin.fetching < 3:
+                await asyncio.sleep(0.01)
+            assert await status(3) == 503  # a fourth key: no room
+            same = asyncio.create_task(status(0))  # a key under way is still shared
+            while node.metrics.coalesced < 1:
+                await asyncio.sleep(0.01)
+            origin.release.set()
+            assert await asyncio.gather(*stalled, same) == [404] * 4
+            assert await status(3) == 404  # room again
+
+    asyncio.run(main())
