@@ -13,7 +13,7 @@ from aiohttp import web
 from .auth import Access
 from .shaping import LinkShaper
 from .verify import check_key
-from .warm import Ensure, Warmer
+from .warm import Ensure, WarmBusy, Warmer
 
 MAX_WARM_KEYS = 100_000  # keys in one warm request
 
@@ -71,7 +71,10 @@ class Admin:
         if bad:
             shown = ", ".join(repr(k[:200]) for k in bad[:5])
             raise web.HTTPBadRequest(text=f"{len(bad)} keys are not kvcdn keys: {shown}\n")
-        job, started = self.warmer.submit(keys)
+        try:
+            job, started = self.warmer.submit(keys)
+        except WarmBusy as exc:
+            raise web.HTTPServiceUnavailable(text=f"{exc}\n") from None
         return web.json_response(
             job.to_json(), status=202 if started else 200, headers={"Location": f"/warm/{job.id}"}
         )

@@ -20,12 +20,19 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-MAX_JOBS = 64  # finished jobs are forgotten beyond this many
+# Jobs held, running or finished: anyone who may warm can post new key lists,
+# each up to 100,000 keys, so the map is bounded. Finished jobs are forgotten
+# first, oldest first; with MAX_JOBS running, a new one is refused (WarmBusy).
+MAX_JOBS = 64
 MAX_ERRORS = 20  # per job, the first failures are kept for the report
 
 #: Fetch one key into the cache: "cached" if it already was, "fetched" (with
 #: the bytes' length) otherwise; raises on failure.
 Ensure = Callable[[str], Awaitable[tuple[str, int]]]
+
+
+class WarmBusy(Exception):
+    """MAX_JOBS warm jobs are running: a new one must wait for one to finish."""
 
 
 def job_id(keys: list[str]) -> str:
@@ -82,21 +89,22 @@ class Warmer:
         self.jobs: OrderedDict[str, WarmJob] = OrderedDict()
 
     def submit(self, keys: list[str]) -> tuple[WarmJob, bool]:
-        """Start (or find) the job for ``keys``; True when a new run was started."""
+        """Start (or find) the job for ``keys``; True when a new run was started.
+        :class:`WarmBusy` when MAX_JOBS other jobs are running."""
         unique = list(dict.fromkeys(keys))
         ident = job_id(unique)
         running = self.jobs.get(ident)
         if running is not None and running.finished is None:
             return running, False
-        job = WarmJob(ident, unique)
-        self.jobs.pop(ident, None)
-        self.jobs[ident] = job
-        job.task = asyncio.get_running_loop().create_task(self._run(job))
-        while len(self.jobs) > MAX_JOBS:
+        self.jobs.pop(ident, None)  # a finished run of the same keys: replaced
+        while len(self.jobs) >= MAX_JOBS:
             oldest = next((j for j in self.jobs.values() if j.finished is not None), None)
             if oldest is None:
-                break
+                raise WarmBusy(f"{MAX_JOBS} warm jobs are running; try again when one finishes")
             del self.jobs[oldest.id]
+        job = WarmJob(ident, unique)
+        self.jobs[ident] = job
+        job.task = asyncio.get_running_loop().create_task(self._run(job))
         return job, True
 
     async def _run(self, job: WarmJob) -> None:

@@ -19,7 +19,7 @@ import boto3
 import pytest
 from aiohttp import web
 
-from kvcdn.edge import fill
+from kvcdn.edge import fill, warm
 from kvcdn.edge.cache import DiskCache
 from kvcdn.edge.fill import BoundedLRU
 from kvcdn.edge.origin import OriginMissing, open_origin
@@ -415,5 +415,28 @@ def test_misses_beyond_the_fill_bound_are_refused_not_queued(tmp_path, monkeypat
             origin.release.set()
             assert await asyncio.gather(*stalled, same) == [404] * 4
             assert await status(3) == 404  # room again
+
+    asyncio.run(main())
+
+
+def test_running_warm_jobs_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm, "MAX_JOBS", 2)
+
+    async def main() -> None:
+        origin = _StalledOrigin()
+        node = Edge(DiskCache(tmp_path / "cache", 1 << 30), [origin])
+        async with _serving(node) as url, aiohttp.ClientSession() as client:
+
+            async def post(i: int) -> int:
+                async with client.post(f"{url}/warm", json={"keys": [_object_key(i)]}) as resp:
+                    return resp.status
+
+            assert [await post(0), await post(1), await post(2)] == [202, 202, 503]
+            origin.release.set()
+            assert node.admin.warmer is not None
+            while any(j.finished is None for j in node.admin.warmer.jobs.values()):
+                await asyncio.sleep(0.01)
+            assert await post(2) == 202  # a finished job makes room
+            assert len(node.admin.warmer.jobs) == 2
 
     asyncio.run(main())
