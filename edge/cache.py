@@ -34,6 +34,12 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FULL_DISK_BACKOFF_S = 30.0
+# Entries indexed in memory (about 1 KiB each, so 1 GiB at most), least recently
+# used dropped beyond it as beyond max_bytes: the index is keyed by what readers
+# ask for, and a cache of many small objects (pointers, index entries) would
+# otherwise grow it far beyond its bytes on disk. Chunk objects are about a MiB:
+# a cache of them reaches any max_bytes below a TiB first.
+MAX_ENTRIES = 1_000_000
 
 
 TOUCH_EVERY_S = 10.0  # recency is written to disk at most this often per entry
@@ -131,7 +137,7 @@ class DiskCache:
             self.skips += 1
             return False
         self.drop(key)
-        self._evict(room_for=len(data))
+        self._evict(room_for=len(data), entries=1)
         digest = _digest(key)
         folder = self.root / "objects" / digest[:2]
         data_path = folder / digest
@@ -169,11 +175,13 @@ class DiskCache:
         _unlink(entry.path.with_suffix(".meta"))
         _unlink(entry.path)
 
-    def _evict(self, room_for: int = 0) -> None:
-        """Drop least recently used entries until ``room_for`` more bytes fit."""
+    def _evict(self, room_for: int = 0, entries: int = 0) -> None:
+        """Drop least recently used entries until ``room_for`` more bytes, and
+        ``entries`` more entries, fit."""
         while True:
             with self._lock:
-                if self._bytes + room_for <= self.max_bytes or not self._index:
+                fits = len(self._index) + entries <= MAX_ENTRIES
+                if (fits and self._bytes + room_for <= self.max_bytes) or not self._index:
                     return
                 key, entry = self._index.popitem(last=False)
                 self._bytes -= entry.size

@@ -19,6 +19,7 @@ import boto3
 import pytest
 from aiohttp import web
 
+from kvcdn.edge import cache as edge_cache
 from kvcdn.edge import fill, warm
 from kvcdn.edge.cache import DiskCache
 from kvcdn.edge.fill import BoundedLRU
@@ -440,3 +441,13 @@ def test_running_warm_jobs_are_bounded(tmp_path, monkeypatch):
             assert len(node.admin.warmer.jobs) == 2
 
     asyncio.run(main())
+
+
+def test_the_disk_cache_index_is_bounded_in_entries(tmp_path, monkeypatch):
+    monkeypatch.setattr(edge_cache, "MAX_ENTRIES", 3)
+    cache = DiskCache(tmp_path / "cache", 1 << 30)
+    for i in range(5):
+        assert cache.store(f"k{i}", b"data", '"tag"')
+    assert len(cache) == 3 and cache.evictions == 2
+    assert cache.lookup("k0") is None and cache.lookup("k4") is not None
+    assert len(DiskCache(tmp_path / "cache", 1 << 30)) == 3  # and so is what a start finds
