@@ -39,7 +39,7 @@ class S3Keys:
     def __init__(self, keys: Mapping[str, str]) -> None:
         if not keys:
             raise InputError("an S3 keys file must name at least one access key")
-        self._secrets = dict(keys)
+        self._secrets = dict(keys)  # bounded by the keys file, read up to 1 MiB
 
     @classmethod
     def from_file(cls, path: str | Path) -> S3Keys:
