@@ -358,6 +358,15 @@ def _object_key(i: int) -> str:
     return object_key(f"{i:064x}", "fp16-0123456789ab", f"{i:064x}")
 
 
+@contextlib.asynccontextmanager
+async def _stalled_edge(tmp_path):
+    """A served edge in front of a :class:`_StalledOrigin`: (origin, edge, URL, client)."""
+    origin = _StalledOrigin()
+    node = Edge(DiskCache(tmp_path / "cache", 1 << 30), [origin])
+    async with _serving(node) as url, aiohttp.ClientSession() as client:
+        yield origin, node, url, client
+
+
 def test_the_pointer_cache_stays_bounded_over_many_document_names(tmp_path, monkeypatch):
     monkeypatch.setattr(fill, "MAX_POINTERS", 8)
     root = tmp_path / "origin"
@@ -398,9 +407,7 @@ def test_misses_beyond_the_fill_bound_are_refused_not_queued(tmp_path, monkeypat
     monkeypatch.setattr(fill, "MAX_FILLS", 3)
 
     async def main() -> None:
-        origin = _StalledOrigin()
-        node = Edge(DiskCache(tmp_path / "cache", 1 << 30), [origin])
-        async with _serving(node) as url, aiohttp.ClientSession() as client:
+        async with _stalled_edge(tmp_path) as (origin, node, url, client):
 
             async def status(i: int) -> int:
                 async with client.get(f"{url}/{_object_key(i)}") as resp:
@@ -424,9 +431,7 @@ def test_running_warm_jobs_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(warm, "MAX_JOBS", 2)
 
     async def main() -> None:
-        origin = _StalledOrigin()
-        node = Edge(DiskCache(tmp_path / "cache", 1 << 30), [origin])
-        async with _serving(node) as url, aiohttp.ClientSession() as client:
+        async with _stalled_edge(tmp_path) as (origin, node, url, client):
 
             async def post(i: int) -> int:
                 async with client.post(f"{url}/warm", json={"keys": [_object_key(i)]}) as resp:
