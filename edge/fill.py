@@ -49,9 +49,9 @@ MAX_POINTERS = 10_000
 # ... and their bytes: a pointer is at most 64 KiB, but an unsigned manifest held
 # here may be 64 MiB, and 10,000 of those would not fit in any edge's memory.
 MAX_POINTERS_BYTES = 256 << 20
-# Listings of the origin, by prefix (any prefix can be asked for): 1,024, as
-# before, and at most a million keys in all (about 200 MB); a larger listing is
-# answered but not kept.
+# Listings of the origin, by prefix (any prefix can be asked for): 1,024 of them,
+# and a million keys in all (a key and its size take about 250 bytes here); a
+# larger listing is answered but not kept.
 MAX_LISTINGS = 1024
 MAX_LISTED_KEYS = 1_000_000
 # Keys being fetched, or fetched and waiting for their disk write, at once. Each
