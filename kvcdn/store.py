@@ -18,14 +18,17 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import fsspec
 
+from . import paths
 from .errors import FormatError, InputError, NotFound, StoreError
 
 log = logging.getLogger(__name__)
@@ -36,8 +39,7 @@ def default_store_url() -> str:
     env = os.environ.get("KVCDN_STORE")
     if env:
         return env
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return str(cache / "kvcdn" / "store")
+    return str(paths.cache_dir() / "store")
 
 
 #: ``check(data)`` raises a kvcdn error when bytes read for a key are not what
@@ -45,17 +47,98 @@ def default_store_url() -> str:
 #: sources moves on to the next one.
 Check = Callable[[bytes], None]
 
+#: Store reads are made in ranged pieces of this size: ``on_bytes`` hears of each,
+#: and a cancelled fetch stops between two. One piece (one GET on S3) covers
+#: most chunk objects.
+FETCH_PIECE = 4 << 20
+
+
+class FetchCancelled(Exception):
+    """A fetch stopped because its caller cancelled it."""
+
+
+class Cancel:
+    """Cancels a fetch from another thread, even one blocked on a stalled link.
+
+    Setting it marks the fetch cancelled and runs the abort the reader bound
+    (an edge read shuts its socket, so the read returns at once instead of at
+    its timeout); a store read sees the flag between pieces.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+        self._abort: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            abort = self._abort
+        if abort is not None:
+            try:
+                abort()
+            except (OSError, ValueError, RuntimeError):
+                pass  # already closed or released: the reader sees the flag
+
+    def bind(self, abort: Callable[[], None] | None) -> None:
+        with self._lock:
+            self._abort = abort
+        if abort is not None and self._set:
+            self.set()
+
+
+@dataclass
+class Fetched:
+    """The bytes of one key, and what served them."""
+
+    key: str
+    data: bytes
+    source: str  # an edge URL, "origin" (an edge reader's store), or the store's URL
+    seconds: float
+
 
 class Reader(Protocol):
-    """What reading documents needs: a :class:`Store`, or edges in front of one."""
+    """What reading documents needs; every :class:`Store` and the SDK's edge reader are one.
+
+    ``placement`` groups keys that belong together (a document's chain hash):
+    a reader in front of several sources serves them from the same one; a
+    store ignores it. ``max_bytes`` bounds what is read (a larger object is
+    refused, never read whole) and ``check`` must pass on the bytes returned.
+    """
 
     url: str
 
-    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
-        """The bytes of ``key``: at most ``max_bytes`` of them, passed by ``check``."""
+    def get(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+    ) -> bytes:
+        """The bytes of ``key``."""
         ...
 
-    def list(self, prefix: str = "") -> list[str]: ...
+    def fetch(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        cancel: Cancel | None = None,
+    ) -> Fetched:
+        """As :meth:`get`, streamed: ``on_bytes(n)`` as pieces arrive, stopped by
+        ``cancel`` (:class:`FetchCancelled`), and saying which source served it."""
+        ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix`` (a folder-like prefix ending in ``/``, or empty)."""
+        ...
 
 
 class Store:
@@ -78,6 +161,10 @@ class Store:
             raise ValueError(f"invalid store key {key!r}")
         return f"{self.root}/{key}"
 
+    def _require_root(self) -> None:
+        """Raise :class:`StoreError` if the store itself is gone (then a key is not
+        merely missing); stores that cannot tell do nothing."""
+
     def _key(self, path: str) -> str:
         path = path.rstrip("/")
         root = self.fs._strip_protocol(self.root).rstrip("/")
@@ -91,6 +178,7 @@ class Store:
         except FileNotFoundError as exc:
             if _s3_code(exc) == "NoSuchBucket":  # the store is gone, not the key
                 raise StoreError(f"{what}: the bucket of {self.url} does not exist") from None
+            self._require_root()
             raise NotFound(f"{what}: not found in {self.url} ({exc})") from None
         except PermissionError as exc:
             raise StoreError(
@@ -103,7 +191,14 @@ class Store:
             raise StoreError(f"{what}: store {self.url} failed: {exc}") from None
 
     # ---- reading ---------------------------------------------------------------
-    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
+    def get(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+    ) -> bytes:
         """The bytes of ``key``; a larger object is refused after ``max_bytes`` + 1 bytes
         (one ranged read), and ``check`` runs on what was read."""
         with self._errors(f"reading {key}"):
@@ -113,33 +208,58 @@ class Store:
                 data = self.fs.cat_file(
                     self._path(key), start=0, end=max_bytes + 1, **self.read_kwargs
                 )
-        if max_bytes is not None and len(data) > max_bytes:
-            raise FormatError(f"{key} in {self.url} is larger than the {max_bytes} bytes expected")
+        self._check_size(key, data, max_bytes)
         if check is not None:
             check(data)
         return data
 
-    def get_many(self, keys: list[str]) -> dict[str, bytes]:
-        """Fetch several keys, concurrently where the filesystem is asynchronous."""
-        if not keys:
-            return {}
-        paths = [self._path(k) for k in keys]
-        with self._errors(f"reading {len(keys)} objects"):
-            found = self.fs.cat(paths, on_error="return", **self.read_kwargs)
-        out: dict[str, bytes] = {}
-        for key, path in zip(keys, paths, strict=True):
-            value = found.get(path, found.get(self.fs._strip_protocol(path)))
-            if isinstance(value, BaseException):
+    def fetch(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        cancel: Cancel | None = None,
+    ) -> Fetched:
+        """:meth:`get` in ranged pieces of :data:`FETCH_PIECE`, reporting each and
+        stopping between two when ``cancel`` is set."""
+        started = time.perf_counter()
+        path = self._path(key)
+        limit = None if max_bytes is None else max_bytes + 1  # one byte more shows "too large"
+        pieces: list[bytes] = []
+        received = 0
+        end = FETCH_PIECE if limit is None else min(limit, FETCH_PIECE)
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled
+            with self._errors(f"reading {key}"):
+                piece = self.fs.cat_file(path, start=received, end=end, **self.read_kwargs)
+            pieces.append(piece)
+            received += len(piece)
+            if on_bytes is not None and piece:
+                on_bytes(len(piece))
+            if received < end or received == limit:
+                break
+            if len(pieces) == 1:
+                # A large object: its size bounds the next ranges (a range past the end
+                # is an error on S3, where a short read would be the only other sign).
                 with self._errors(f"reading {key}"):
-                    raise value
-            if value is None:
-                raise NotFound(f"reading {key}: not found in {self.url}")
-            out[key] = value
-        return out
+                    size = int(self.fs.size(path))
+                limit = size if limit is None else min(limit, size)
+                if received >= limit:
+                    break
+            end = received + FETCH_PIECE if limit is None else min(limit, received + FETCH_PIECE)
+        data = b"".join(pieces)
+        self._check_size(key, data, max_bytes)
+        if check is not None:
+            check(data)
+        return Fetched(key, data, self.url, time.perf_counter() - started)
 
-    def exists(self, key: str) -> bool:
-        with self._errors(f"checking {key}"):
-            return bool(self.fs.exists(self._path(key)))
+    def _check_size(self, key: str, data: bytes, max_bytes: int | None) -> None:
+        if max_bytes is not None and len(data) > max_bytes:
+            raise FormatError(f"{key} in {self.url} is larger than the {max_bytes} bytes expected")
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix`` (a folder-like prefix ending in ``/``, or empty)."""
@@ -242,14 +362,8 @@ class LocalStore(Store):
         found = super().list_sizes(prefix)  # without temporary files of unfinished writes
         return {k: n for k, n in found.items() if not k.rsplit("/", 1)[-1].startswith(".")}
 
-    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
-        try:
-            return super().get(key, max_bytes=max_bytes, check=check)
-        except NotFound:
-            self._require_root()  # a store that is gone is a failure, not a missing key
-            raise
-
     def _require_root(self) -> None:
+        """A store that is gone is a failure, not a missing key."""
         if not Path(self.root).is_dir():
             raise StoreError(f"the store folder {self.root} does not exist (any more)")
 

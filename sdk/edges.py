@@ -27,17 +27,23 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import urllib3
 
-from kvcdn.errors import AccessDenied, InputError, KvcdnError, NotFound, StoreError
+from kvcdn.errors import (
+    AccessDenied,
+    FormatError,
+    InputError,
+    KvcdnError,
+    NotFound,
+    StoreError,
+)
 from kvcdn.keys import manifest_key, parse_key
 from kvcdn.manifest import MAX_OBJECT_BYTES, Manifest
-from kvcdn.store import Check, Store
+from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, Store
 
 log = logging.getLogger(__name__)
 
@@ -48,44 +54,8 @@ MIN_BODY_BPS = 32 << 10  # a body arriving slower than this on average is abando
 MAX_LISTING_BYTES = 16 << 20  # one page of a listing
 
 
-class FetchCancelled(Exception):
-    """A fetch stopped because its caller cancelled it."""
-
-
 class _EdgeFailed(Exception):
     """One edge could not serve one key; the next source is tried."""
-
-
-class Cancel:
-    """Cancels a fetch from another thread, even one blocked on a stalled link.
-
-    Setting it marks the fetch cancelled and shuts the socket the fetch is
-    reading from, so the read returns at once instead of at its timeout.
-    """
-
-    def __init__(self) -> None:
-        self._set = False
-        self._abort: Callable[[], None] | None = None
-        self._lock = threading.Lock()
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def set(self) -> None:
-        with self._lock:
-            self._set = True
-            abort = self._abort
-        if abort is not None:
-            try:
-                abort()
-            except (OSError, ValueError, RuntimeError):
-                pass  # already closed or released: the reader sees the flag
-
-    def bind(self, abort: Callable[[], None] | None) -> None:
-        with self._lock:
-            self._abort = abort
-        if abort is not None and self._set:
-            self.set()
 
 
 _EDGE_URL = re.compile(r"^https?://[^/\s?#]+(/[^\s?#]*)?$")
@@ -131,14 +101,6 @@ def check_edges(edges: Sequence[str]) -> list[str]:
     return out
 
 
-@dataclass
-class Fetched:
-    key: str
-    data: bytes
-    source: str  # an edge URL, or "origin"
-    seconds: float
-
-
 @dataclass(frozen=True)
 class Rejected:
     """An edge that served bytes failing the reader's check (or too many, or too slowly)."""
@@ -154,8 +116,8 @@ class Rejected:
 class EdgeStore:
     """Store keys read through edges, with failover to the next edge and to ``origin``.
 
-    It reads like a :class:`~kvcdn.store.Store` (``get``, ``list``), so
-    documents resolve through it unchanged, and :meth:`fetch` also says which
+    It is a :class:`~kvcdn.store.Reader` like every store, so documents
+    resolve and load through it unchanged, and :meth:`fetch` says which
     source served a key. ``documents_from_origin`` reads manifests and
     pointers from ``origin`` (when given) rather than from the edges.
     """
@@ -198,6 +160,10 @@ class EdgeStore:
     def __repr__(self) -> str:
         return f"EdgeStore({self.url!r})"
 
+    def close(self) -> None:
+        """Close the connections to the edges."""
+        self._http.clear()
+
     def order(self, placement: str) -> list[str]:
         """The edges to try for ``placement``: by weight, recently failed ones last."""
         now = time.monotonic()
@@ -220,12 +186,12 @@ class EdgeStore:
     def fetch(
         self,
         key: str,
-        placement: str | None = None,
         *,
-        on_bytes: Callable[[int], None] | None = None,
-        cancel: Cancel | None = None,
         max_bytes: int | None = None,
         check: Check | None = None,
+        placement: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        cancel: Cancel | None = None,
     ) -> Fetched:
         """Read ``key`` from the first edge that serves it well (then the origin).
 
@@ -239,8 +205,10 @@ class EdgeStore:
         info = parse_key(key)
         if self.documents_from_origin and info is not None and info.kind in _DOCUMENT_KINDS:
             assert self.origin is not None
-            data = self.origin.get(key, max_bytes=limit, check=check)
-            return Fetched(key, data, "origin", time.perf_counter() - started)
+            got = self.origin.fetch(
+                key, max_bytes=limit, check=check, on_bytes=on_bytes, cancel=cancel
+            )
+            return Fetched(key, got.data, "origin", time.perf_counter() - started)
         failures: list[str] = []
         bad: list[KvcdnError] = []  # bytes served that failed ``check``
         missing = refused = 0
@@ -264,6 +232,7 @@ class EdgeStore:
                 except _EdgeFailed as exc:
                     self._reject(edge, key, str(exc))
                     failures.append(f"{edge}: {exc}")
+                    bad.append(FormatError(str(exc)))
                     continue
                 except (urllib3.exceptions.HTTPError, OSError) as exc:
                     if cancel is not None and cancel.is_set():
@@ -291,10 +260,10 @@ class EdgeStore:
                 "edge %s answered %d for %s, trying the next source", edge, resp.status, key
             )
         if self.origin is not None:
-            data = self.origin.get(key, max_bytes=limit, check=check)
-            if on_bytes is not None:
-                on_bytes(len(data))
-            return Fetched(key, data, "origin", time.perf_counter() - started)
+            got = self.origin.fetch(
+                key, max_bytes=limit, check=check, on_bytes=on_bytes, cancel=cancel
+            )
+            return Fetched(key, got.data, "origin", time.perf_counter() - started)
         if bad and len(bad) == len(failures):  # say what was wrong, in its own terms
             raise type(bad[-1])(f"every edge served bad bytes for {key}: {'; '.join(failures)}")
         if missing and missing + refused == len(failures):
@@ -364,20 +333,15 @@ class EdgeStore:
             resp.release_conn()
         return b"".join(pieces)
 
-    def fetch_many(self, keys: list[str], placement: str | None = None) -> dict[str, Fetched]:
-        """Fetch ``keys`` concurrently (bounded), each with failover."""
-        if len(keys) <= 1:
-            return {k: self.fetch(k, placement) for k in keys}
-        with ThreadPoolExecutor(min(self.concurrency, len(keys))) as pool:
-            done = list(pool.map(lambda k: self.fetch(k, placement), keys))
-        return {f.key: f for f in done}
-
-    def placed(self, placement: str) -> PlacedReader:
-        """A reader that places every key by ``placement`` (a document's chain hash)."""
-        return PlacedReader(self, placement)
-
-    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
-        return self.fetch(key, max_bytes=max_bytes, check=check).data
+    def get(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+    ) -> bytes:
+        return self.fetch(key, max_bytes=max_bytes, check=check, placement=placement).data
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix``: from the origin when there is one, else an edge's listing."""
@@ -419,21 +383,6 @@ def _error_reason(resp: Any) -> str:
     finally:
         resp.release_conn()
     return body.decode("utf-8", "replace").strip()
-
-
-class PlacedReader:
-    """An :class:`EdgeStore` whose reads all follow one document's placement."""
-
-    def __init__(self, edges: EdgeStore, placement: str) -> None:
-        self._edges = edges
-        self._placement = placement
-        self.url = edges.url
-
-    def get(self, key: str, *, max_bytes: int | None = None, check: Check | None = None) -> bytes:
-        return self._edges.fetch(key, self._placement, max_bytes=max_bytes, check=check).data
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self._edges.list(prefix)
 
 
 def _parse_listing(data: bytes) -> tuple[list[str], str | None]:

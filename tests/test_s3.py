@@ -19,7 +19,6 @@ def test_store_primitives(s3):
     assert store.put_new("a/c", b"second") is False  # If-None-Match: * was honoured
     assert store.get("a/c") == b"first"
     assert store.list("a/") == ["a/b", "a/c"]
-    assert store.get_many(["a/b", "a/c"]) == {"a/b": b"one", "a/c": b"first"}
     with pytest.raises(NotFound):
         store.get("a/missing")
 
