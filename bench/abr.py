@@ -151,8 +151,8 @@ def main() -> int:
     from kvcdn.models import load_model
     from kvcdn.publish import publish
     from kvcdn.sdk import load_context
-    from kvcdn.sdk.context import quality_scores
     from kvcdn.sdk.edges import warm_keys
+    from kvcdn.sdk.loader import quality_scores
     from kvcdn.store import open_store
 
     console = Console(stderr=True)

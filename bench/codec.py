@@ -868,10 +868,10 @@ def main() -> int:
     from rich.table import Table
 
     from kvcdn.codec import FIXED_LEVELS, ladder_level
+    from kvcdn.codec_profile import LADDER
     from kvcdn.kv import DEFAULT_CHUNK_TOKENS
     from kvcdn.models import load_model
-    from kvcdn.profile import LADDER
-    from kvcdn.profiles import ensure_profile
+    from kvcdn.profile_store import ensure_profile
     from kvcdn.quality import make_sample
     from kvcdn.store import open_store
 

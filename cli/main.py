@@ -24,9 +24,10 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from kvcdn.errors import KvcdnError
-from kvcdn.store import Reader, Store
+from kvcdn.store import Store
 
 if TYPE_CHECKING:
+    from kvcdn import sdk
     from kvcdn.signing import Signer, SigningKey, TrustPolicy
 
 out = Console()
@@ -99,15 +100,15 @@ def _trust(path: Path | None) -> TrustPolicy | None:
     in ``$XDG_STATE_HOME/kvcdn/seen/{digest of the trust file's path}.json``: one
     history per trust file, whichever store or edge a document is read through."""
     import hashlib
-    import os
 
+    from kvcdn import paths
     from kvcdn.signing import TrustPolicy
 
     if path is None:
         return None
-    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    state = paths.state_dir()
     digest = hashlib.sha256(str(path.expanduser().absolute()).encode()).hexdigest()[:16]
-    return TrustPolicy.from_file(path, state_path=state / "kvcdn" / "seen" / f"{digest}.json")
+    return TrustPolicy.from_file(path, state_path=state / "seen" / f"{digest}.json")
 
 
 def _signer_text(signer: Signer | None, trust: TrustPolicy | None) -> str:
@@ -420,7 +421,7 @@ def calibrate(
     """
     from kvcdn.calibrate import calibrate as do_calibrate
     from kvcdn.models import load_model
-    from kvcdn.profiles import publish_profile
+    from kvcdn.profile_store import publish_profile
     from kvcdn.publish import read_document
 
     texts = {p.stem: read_document(p) for p in docs} or None
@@ -1021,19 +1022,16 @@ def ask(
         raise click.UsageError("give a document and a question (DOC... QUESTION)")
     docs, question = list(args[:-1]), args[-1]
     _check_asked(docs, question)  # before the model spends seconds loading
-    trust = _trust(trust_file)
-    target: Reader
-    if edges:
-        from kvcdn.sdk.context import open_reader
+    from kvcdn import sdk
 
-        target = open_reader(
-            _open(store, endpoint_url) if store else None,
-            edges=list(edges),
-            edge_token=_read_token(edge_token_file),
-            trust=trust,
-        )
-    else:
-        target = _open(store, endpoint_url)
+    trust = _trust(trust_file)
+    client = sdk.Client(
+        _open(store, endpoint_url) if store or not edges else None,
+        edges=list(edges) or None,
+        edge_token=_read_token(edge_token_file),
+        trust=trust,
+        device=device,
+    )
     if several or len(docs) > 1:
         result = _ask_blended(
             docs,
@@ -1045,9 +1043,7 @@ def ask(
             compare=compare,
             max_new_tokens=max_new_tokens,
             model=model,
-            target=target,
-            device=device,
-            trust=trust,
+            client=client,
         )
         if as_json:
             _emit_json(result)
@@ -1055,9 +1051,8 @@ def ask(
             _print_blended(result)
         return
     result = _ask(
-        docs[0], question, quality, deadline_s, compare, max_new_tokens, model, target, device,
-        trust,
-    )  # fmt: skip
+        docs[0], question, quality, deadline_s, compare, max_new_tokens, model, client
+    )
     if as_json:
         _emit_json(result)
     else:
@@ -1088,27 +1083,18 @@ def _ask_blended(
     compare: bool,
     max_new_tokens: int,
     model: str | None,
-    target: Reader,
-    device: str | None,
-    trust: TrustPolicy | None,
+    client: sdk.Client,
 ) -> dict[str, Any]:
-    from kvcdn import sdk
-    from kvcdn.sdk.blend import answer_with_prefill_of
-
-    with err.status("loading model…"):
-        loaded = _model_for(docs[0], model, target, device, trust)
+    trust = client.trust
     with err.status(f"loading and blending {len(docs)} documents…"):
-        ctx = sdk.load_contexts(
+        ctx = client.load_contexts(
             docs,
-            model=loaded,
-            store=target,
+            model=model,
             recompute_ratio=recompute_ratio,
             separator=separator,
             quality=quality,
             deadline_s=deadline_s,
             question=question,
-            device=device,
-            trust=trust,
         )
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
     report = ctx.blend
@@ -1142,7 +1128,7 @@ def _ask_blended(
     }
     if compare:
         with err.status("answering after a full prefill…"):
-            base = answer_with_prefill_of(ctx, question, max_new_tokens=max_new_tokens)
+            base = ctx.answer_with_prefill(question, max_new_tokens=max_new_tokens)
         _add_prefill(result, base, answer)
     return result
 
@@ -1186,25 +1172,6 @@ def _print_blended(result: dict[str, Any]) -> None:
     _print_prefill(result)
 
 
-def _model_for(
-    doc: str, model: str | None, target: Reader, device: str | None, trust: TrustPolicy | None
-):
-    """The model to answer with: ``model``, else the one ``doc`` was published with
-    (as its manifest says, once verified).
-
-    Loaded before the clock starts: model loading is a one-off cost of the
-    process, not of answering.
-    """
-    from kvcdn.catalog import parse_ref, read_manifest
-    from kvcdn.models import load_model
-    from kvcdn.publish import is_document_path
-
-    if model or is_document_path(doc):
-        return load_model(model, device)
-    name, version = parse_ref(doc)
-    return load_model(read_manifest(target, name, version, trust=trust).model_name, device)
-
-
 def _ask(
     doc: str,
     question: str,
@@ -1213,18 +1180,12 @@ def _ask(
     compare: bool,
     max_new_tokens: int,
     model: str | None,
-    target: Reader,
-    device: str | None,
-    trust: TrustPolicy | None = None,
+    client: sdk.Client,
 ) -> dict[str, Any]:
-    from kvcdn import sdk
-
-    with err.status("loading model…"):
-        loaded = _model_for(doc, model, target, device, trust)
-    ctx = sdk.load_context(
-        doc, model=loaded, store=target, quality=quality, deadline_s=deadline_s, device=device,
-        trust=trust,
-    )  # fmt: skip
+    trust = client.trust
+    # the model loads inside, off the clock: a one-off cost of the process
+    with err.status("loading…"):
+        ctx = client.load_context(doc, model=model, quality=quality, deadline_s=deadline_s)
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
     plan = ctx.plan
     result: dict[str, Any] = {
@@ -1250,9 +1211,7 @@ def _ask(
     }
     if compare:
         with err.status("answering after a full prefill…"):
-            base = sdk.answer_with_prefill(
-                loaded, ctx.token_ids, question, max_new_tokens=max_new_tokens
-            )
+            base = ctx.answer_with_prefill(question, max_new_tokens=max_new_tokens)
         _add_prefill(result, base, answer)
     return result
 
@@ -1294,14 +1253,15 @@ def demo(store: str | None, endpoint_url: str | None, device: str | None, as_jso
     question from the published KV cache and after a full prefill, and prints
     both times to first token.
     """
-    from kvcdn.models import load_model
+    from kvcdn import sdk
     from kvcdn.publish import publish as do_publish
 
     target = _open(store, endpoint_url, create=True)
+    client = sdk.Client(target, device=device)
     source = resources.files("kvcdn.cli") / "data" / "sed-manual.txt"
     with resources.as_file(source) as path:
         with err.status("loading model…"):
-            loaded = load_model(None, device)
+            loaded = client.model()  # kept by the client for the answer
         with _progress(not as_json) as progress:
             published = do_publish(
                 path,
@@ -1316,16 +1276,9 @@ def demo(store: str | None, endpoint_url: str | None, device: str | None, as_jso
             f"{escape(target.url)} ({published.token_count} tokens)\n"
         )
     result = _ask(
-        f"{published.name}@{published.version}",
-        DEMO_QUESTION,
-        "auto",
-        None,
-        True,
-        48,
-        None,
-        target,
-        device,
-    )
+        f"{published.name}@{published.version}", DEMO_QUESTION, "auto", None, True, 48, None,
+        client,
+    )  # fmt: skip
     if as_json:
         _emit_json({"publish": published.__dict__, "ask": result})
     else:
@@ -1337,6 +1290,13 @@ def _mb(n: int) -> str:
 
 
 def main() -> None:
+    import os
+
+    # kvcdn loads weights from local files only: keep transformers and
+    # huggingface_hub off the network (the library passes local_files_only;
+    # this also silences their update checks). The CLI is the host
+    # application here, so the environment is its to set.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cli(prog_name="kvcdn")
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -144,10 +143,6 @@ def rope_frequencies(loaded: LoadedModel) -> torch.Tensor:
     return rotary.inv_freq.detach().float()
 
 
-_checked: dict[tuple[str, str], float] = {}
-_checked_lock = threading.Lock()
-
-
 def position_error(loaded: LoadedModel, offset: int, ids: Sequence[int]) -> float:
     """How far keys computed at position 0 and rotated to ``offset`` are from the
     model's own keys for the same tokens at ``offset`` (relative max error, all layers).
@@ -184,14 +179,11 @@ def position_error(loaded: LoadedModel, offset: int, ids: Sequence[int]) -> floa
 def check_positions(loaded: LoadedModel) -> float:
     """Prove on ``loaded`` that re-rotated keys are the model's own; raise if not.
 
-    Runs once per model and device in a process (a few short forward passes).
-    Returns the largest relative error seen.
+    A few short forward passes: callers run it once per model and device (an
+    ``sdk.Client`` does) and tell :func:`blend` so. Returns the largest relative
+    error seen.
     """
     rope_frequencies(loaded)  # refuses length-dependent scaling first
-    key = (loaded.fingerprint, loaded.device)
-    with _checked_lock:
-        if key in _checked:
-            return _checked[key]
     ids = loaded.tokenizer(
         "The position self-check: keys moved by rotation must match the model's own.",
         add_special_tokens=False,
@@ -207,8 +199,6 @@ def check_positions(loaded: LoadedModel) -> float:
                 f"rotated to {offset} differ from the model's own by {error:.2e} "
                 f"(relative; tolerance {tolerance:g}); its cached KV cannot be blended"
             )
-    with _checked_lock:
-        _checked[key] = worst
     log.info("%s passes the position self-check (max relative error %.1e)", loaded.name, worst)
     return worst
 
@@ -222,6 +212,7 @@ def blend(
     exact_prefix: int = 0,
     check_layers: Sequence[int] | None = None,
     query_ids: Sequence[int] | None = None,
+    positions_checked: bool = False,
 ) -> Blended:
     """The fused KV ``[L, 2, H, len(ids), D]`` of ``pieces`` placed one after another.
 
@@ -241,6 +232,9 @@ def blend(
     is then computed with the chosen tokens, as CacheBlend always recomputes
     it: the result holds its KV after the pieces' and the logits of the token
     that follows it, so the answer's first token needs no further pass.
+
+    ``positions_checked``: :func:`check_positions` passed on this model and
+    device already (otherwise it runs first).
     """
     import torch
 
@@ -252,7 +246,8 @@ def blend(
     seconds: dict[str, float] = {}
     base = _decoder(loaded)
     inv_freq = rope_frequencies(loaded)
-    check_positions(loaded)
+    if not positions_checked:
+        check_positions(loaded)
     layers = list(base.layers)
     n_layers, kv_heads, head_dim = len(layers), loaded.layout.kv_heads, loaded.layout.head_dim
     device = loaded.device

@@ -24,10 +24,10 @@ from importlib import resources
 
 import numpy as np
 
+from .codec_profile import LADDER, CodecProfile, LevelSpec, round_to_4_bits
 from .errors import InputError
 from .kv import DEFAULT_CHUNK_TOKENS
 from .models import LoadedModel
-from .profile import LADDER, CodecProfile, LevelSpec, round_to_4_bits
 from .quality import Sample, compare, continuation_logits, make_sample
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
+from .codec_profile import LADDER, CodecProfile
 from .container import ChunkHeader, pack, unpack
 from .errors import FormatError, InputError
 from .manifest import TEXT_LEVEL
-from .profile import LADDER, CodecProfile
 
 if TYPE_CHECKING:
     import torch

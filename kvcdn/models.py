@@ -23,12 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# kvcdn loads weights from local files only; this keeps transformers and
-# huggingface_hub from trying the network (set before they are imported).
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from .errors import ModelError  # noqa: E402
-from .kv import KVLayout  # noqa: E402
+from . import paths
+from .errors import ModelError
+from .kv import KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -251,15 +248,32 @@ class LoadedModel:
             [torch.stack([la.keys[0, :, start:], la.values[0, :, start:]]) for la in cache.layers]
         )
 
-    def cache_from_kv(self, kv: torch.Tensor) -> Any:
-        """A transformers ``DynamicCache`` holding ``kv`` (``[L, 2, H, T, D]``)."""
-        from transformers import DynamicCache
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's weights, which its KV cache holds."""
+        return next(self.model.parameters()).dtype
 
-        dtype = next(self.model.parameters()).dtype
-        kv = kv.to(device=self.device, dtype=dtype)
+    def cache_from_kv(self, kv: torch.Tensor) -> Any:
+        """A transformers ``DynamicCache`` over ``kv`` (``[L, 2, H, T, D]``).
+
+        Each layer's keys and values are views of ``kv``, not copies, when it
+        is already on the model's device in its dtype (else it is converted
+        once). The cache never writes into them: a question's tokens are
+        appended by concatenation and cropping slices, so ``kv`` is left as is.
+        """
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        kv = kv.to(device=self.device, dtype=self.dtype)
         cache = DynamicCache(config=self.model.config)
-        for layer in range(kv.shape[0]):
-            cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
+        for index in range(kv.shape[0]):
+            keys, values = kv[index, 0].unsqueeze(0), kv[index, 1].unsqueeze(0)
+            layer = cache.layers[index] if index < len(cache.layers) else None
+            if type(layer) is DynamicLayer:
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+            else:  # a layer kind with its own storage (sliding windows): it copies
+                cache.update(keys, values, index)
         return cache
 
     def greedy(
@@ -330,19 +344,50 @@ def _as_list(value: Any) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-_LOADED: dict[tuple[ModelSource, str], LoadedModel] = {}
-_LOAD_LOCK = threading.Lock()
-
-
 def load_model(name: str | None = None, device: str | None = None) -> LoadedModel:
-    """Load (once per process) the model called ``name`` on ``device``."""
-    source = resolve_model(name)
-    device = best_device(device)
-    with _LOAD_LOCK:
-        key = (source, device)
-        if key not in _LOADED:
-            _LOADED[key] = _load(source, device)
-        return _LOADED[key]
+    """Load the model called ``name`` (an alias, Hugging Face id or local path; default:
+    the embedded one) on ``device`` (default: a CUDA GPU if there is one, else the CPU).
+
+    Every call loads it anew; :class:`ModelRegistry` (what an ``sdk.Client``
+    holds) keeps loaded models for reuse.
+    """
+    return _load(resolve_model(name), best_device(device))
+
+
+class ModelRegistry:
+    """Loaded models, each loaded once, the least recently used dropped beyond
+    ``max_models`` (a model's weights are the largest thing a process holds)."""
+
+    def __init__(self, max_models: int = 2) -> None:
+        if max_models < 1:
+            raise ValueError("max_models must be at least 1")
+        self.max_models = max_models
+        self._models: dict[tuple[ModelSource, str], LoadedModel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str | None = None, device: str | None = None) -> LoadedModel:
+        """The model ``name`` on ``device`` (as :func:`load_model`), loaded at most once."""
+        key = (resolve_model(name), best_device(device))
+        with self._lock:  # one load at a time: two threads asking for one model load it once
+            loaded = self._models.pop(key, None) or _load(*key)
+            self._models[key] = loaded  # the most recently used last
+            while len(self._models) > self.max_models:
+                dropped = next(iter(self._models))
+                del self._models[dropped]
+                log.info("dropped model %s from memory", dropped[0].name)
+            return loaded
+
+    def add(self, loaded: LoadedModel) -> LoadedModel:
+        """Keep a model the caller loaded; it counts towards ``max_models``."""
+        with self._lock:
+            self._models[(loaded.source, loaded.device)] = loaded
+            while len(self._models) > self.max_models:
+                del self._models[next(iter(self._models))]
+        return loaded
+
+    def clear(self) -> None:
+        with self._lock:
+            self._models.clear()
 
 
 def _load(source: ModelSource, device: str) -> LoadedModel:
@@ -435,8 +480,7 @@ def weights_digest(source: ModelSource) -> str:
 
 
 def _digest_cache_path() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return root / "kvcdn" / "weight-digests.json"
+    return paths.cache_dir() / "weight-digests.json"
 
 
 def _file_sha256(path: Path) -> str:

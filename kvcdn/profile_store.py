@@ -16,42 +16,71 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import paths
 from .calibrate import ProgressFn, calibrate
+from .codec_profile import CodecProfile, parse_profile
 from .errors import FormatError, NotFound, TrustError
 from .keys import profile_key, profile_pointer_key
 from .manifest import MAX_POINTER_BYTES, MAX_PROFILE_BYTES, ObjectRef
 from .models import LoadedModel
-from .profile import CodecProfile, parse_profile
 from .signing import PROFILE_POINTER_TYPE, SigningKey, TrustPolicy, open_document, seal
 from .store import Reader, Store
 
 log = logging.getLogger(__name__)
 
-_loaded: dict[str, CodecProfile] = {}  # sha256 -> parsed profile, per process
-_lock = threading.Lock()
+#: Parsed profiles a :class:`ProfileCache` keeps (each is a few megabytes at most).
+MAX_CACHED_PROFILES = 8
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return Path(os.environ.get("KVCDN_PROFILE_CACHE", root / "kvcdn" / "profiles"))
+    """This machine's folder of codec profiles (``KVCDN_PROFILE_CACHE`` overrides)."""
+    return Path(os.environ.get("KVCDN_PROFILE_CACHE") or paths.cache_dir() / "profiles")
 
 
-def load_profile(store: Reader, ref: ObjectRef) -> CodecProfile:
-    """The profile ``ref`` names, verified against its size and sha256 (cached per process)."""
-    with _lock:
-        if ref.sha256 in _loaded:
-            return _loaded[ref.sha256]
+class ProfileCache:
+    """Parsed codec profiles by sha256, the most recently used kept (what a client holds)."""
+
+    def __init__(self, max_profiles: int = MAX_CACHED_PROFILES) -> None:
+        self.max_profiles = max_profiles
+        self._profiles: dict[str, CodecProfile] = {}
+        self._lock = threading.Lock()
+
+    def get(self, sha256: str) -> CodecProfile | None:
+        with self._lock:
+            profile = self._profiles.pop(sha256, None)
+            if profile is not None:
+                self._profiles[sha256] = profile
+            return profile
+
+    def add(self, sha256: str, profile: CodecProfile) -> None:
+        with self._lock:
+            self._profiles[sha256] = profile
+            while len(self._profiles) > self.max_profiles:
+                del self._profiles[next(iter(self._profiles))]
+
+
+def load_profile(
+    store: Reader,
+    ref: ObjectRef,
+    *,
+    placement: str | None = None,
+    cache: ProfileCache | None = None,
+) -> CodecProfile:
+    """The profile ``ref`` names, verified against its size and sha256: from ``cache``,
+    this machine's profile folder, or ``store`` (read by ``placement``)."""
+    if cache is not None and (profile := cache.get(ref.sha256)) is not None:
+        return profile
     local = cache_dir() / f"{ref.sha256}.safetensors"
     data = local.read_bytes() if local.is_file() else None
     if data is None or hashlib.sha256(data).hexdigest() != ref.sha256:
         try:
-            data = store.get(ref.key, max_bytes=ref.bytes, check=ref.check)
+            data = store.get(ref.key, max_bytes=ref.bytes, check=ref.check, placement=placement)
         except NotFound:
             raise NotFound(f"codec profile {ref.key} is missing from {store.url}") from None
         _write_local(ref.sha256, data)
     profile = parse_profile(data, name=f"codec profile {ref.key}")
-    with _lock:
-        _loaded[ref.sha256] = profile
+    if cache is not None:
+        cache.add(ref.sha256, profile)
     return profile
 
 

@@ -37,6 +37,7 @@ from .codec import (
     needs_profile,
     parse_levels,
 )
+from .codec_profile import CodecProfile
 from .errors import ConcurrentPublish, FormatError, InputError, NotFound, StoreError, TrustError
 from .keys import (
     MAX_VERSION,
@@ -57,7 +58,6 @@ from .manifest import (
     pointer_bytes,
 )
 from .models import LoadedModel, load_model
-from .profile import CodecProfile
 from .signing import MANIFEST_TYPE, POINTER_TYPE, SigningKey, TrustPolicy, seal
 from .store import Store, open_store
 
@@ -183,7 +183,7 @@ def publish(
     progress = progress or (lambda stage, done, total: None)
     profile = profile_ref = None
     if needs_profile(levels):
-        from .profiles import ensure_profile
+        from .profile_store import ensure_profile
 
         profile, profile_ref = ensure_profile(
             store,

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcdn import __version__
+from kvcdn import __version__, paths
 from kvcdn.codec import RANS_CODEC, TEXT_LEVEL, Level, decode_chunk, encode_chunk
 from kvcdn.manifest import Manifest
 from kvcdn.models import LoadedModel
 
 if TYPE_CHECKING:
-    from kvcdn.profile import CodecProfile
+    from kvcdn.codec_profile import CodecProfile
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,6 @@ log = logging.getLogger(__name__)
 MEASURE_TOKENS = 256
 MEASURE_CONTEXTS = (256, 1024)
 CACHE_FORMAT = "2"
-_lock = threading.Lock()
-_memo: dict[str, DeviceSpeed] = {}
 
 
 @dataclass
@@ -63,59 +61,67 @@ class DeviceSpeed:
 
 
 def cache_path() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return Path(os.environ.get("KVCDN_SPEED_CACHE", root / "kvcdn" / "device-speed.json"))
+    return Path(os.environ.get("KVCDN_SPEED_CACHE") or paths.cache_dir() / "device-speed.json")
 
 
-def device_speed(
-    loaded: LoadedModel, manifest: Manifest, profile: CodecProfile | None
-) -> tuple[DeviceSpeed, float]:
-    """This device's speed for ``loaded`` and every level of ``manifest``, and the
-    seconds spent measuring it now (0.0 when it was known).
+class DeviceSpeeds:
+    """What a client knows of its devices' speeds: read from the machine's cache file,
+    measured when missing (and then written to it), remembered for the client's life."""
 
-    Read from the cache; what is missing is measured now and cached.
-    """
-    import torch
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._memo: dict[str, DeviceSpeed] = {}
+        self._warmed: set[str] = set()  # devices whose codec kernels are loaded
 
-    key = "|".join(
-        (
-            CACHE_FORMAT,
-            loaded.fingerprint[:16],
-            _device_name(loaded.device),
-            torch.__version__,
-            __version__,
+    def get(
+        self, loaded: LoadedModel, manifest: Manifest, profile: CodecProfile | None
+    ) -> tuple[DeviceSpeed, float]:
+        """This device's speed for ``loaded`` and every level of ``manifest``, and the
+        seconds spent measuring it now (0.0 when it was known)."""
+        import torch
+
+        key = "|".join(
+            (
+                CACHE_FORMAT,
+                loaded.fingerprint[:16],
+                _device_name(loaded.device),
+                torch.__version__,
+                __version__,
+            )
         )
-    )
-    levels = {
-        lv.id: Level(name, lv.codec, lv.params)
-        for name, lv in manifest.levels.items()
-        if name != TEXT_LEVEL and (lv.codec != RANS_CODEC or profile is not None)
-    }
-    measured_s = 0.0
-    with _lock:
-        speed = _memo.get(key) or _read_cache(key)
-        if speed is None or set(levels) - set(speed.decode_s_per_token):
-            t = time.perf_counter()
-            speed = _measure(loaded, levels, profile, speed)  # this also warms the kernels
-            _write_cache(key, speed)
-            _warmed.add(loaded.device)
-            measured_s = time.perf_counter() - t
-        _memo[key] = speed
-    if profile is not None and loaded.device not in _warmed:
-        _warmed.add(loaded.device)
-        warm = threading.Thread(target=_warm_kernels, args=(profile, loaded.device), daemon=True)
-        warm.start()
-    return speed, measured_s
+        levels = {
+            lv.id: Level(name, lv.codec, lv.params)
+            for name, lv in manifest.levels.items()
+            if name != TEXT_LEVEL and (lv.codec != RANS_CODEC or profile is not None)
+        }
+        measured_s = 0.0
+        with self._lock:
+            speed = self._memo.get(key) or _read_cache(key)
+            if speed is None or set(levels) - set(speed.decode_s_per_token):
+                t = time.perf_counter()
+                speed = _measure(loaded, levels, profile, speed)  # this also warms the kernels
+                _write_cache(key, speed)
+                self._warmed.add(loaded.device)
+                measured_s = time.perf_counter() - t
+            self._memo[key] = speed
+            warm = profile is not None and loaded.device not in self._warmed
+            if warm:
+                self._warmed.add(loaded.device)
+        if warm:
+            assert profile is not None
+            threading.Thread(
+                target=_warm_kernels, args=(profile, loaded.device), daemon=True,
+                name="kvcdn-warm-kernels",
+            ).start()  # fmt: skip
+        return speed, measured_s
 
-
-_warmed: set[str] = set()
-
-
-def is_known(loaded: LoadedModel) -> bool:
-    """Whether this process has this device's speeds for ``loaded`` (no measuring to come)."""
-    device = _device_name(loaded.device)
-    with _lock:
-        return any(k.split("|")[1:3] == [loaded.fingerprint[:16], device] for k in _memo)
+    def is_known(self, loaded: LoadedModel) -> bool:
+        """Whether this device's speeds for ``loaded`` are known (no measuring to come)."""
+        device = _device_name(loaded.device)
+        with self._lock:
+            return any(
+                k.split("|")[1:3] == [loaded.fingerprint[:16], device] for k in self._memo
+            )
 
 
 def _warm_kernels(profile: CodecProfile, device: str) -> None:

@@ -30,23 +30,19 @@ from typing import TYPE_CHECKING, Any
 
 from kvcdn.codec import decode_chunk
 from kvcdn.errors import FormatError
-from kvcdn.manifest import ChunkEntry, Manifest, ObjectRef
+from kvcdn.manifest import ChunkEntry, Manifest
 from kvcdn.models import LoadedModel
+from kvcdn.store import Cancel, FetchCancelled, Reader
 
 from .devspeed import DeviceSpeed
-from .edges import Cancel, FetchCancelled
 from .planner import TEXT, Busy, ChunkChoice, Option, Plan, Policy, ThroughputPredictor
+from .targets import KVTarget
 
 if TYPE_CHECKING:
-    import torch
 
-    from kvcdn.profile import CodecProfile
+    from kvcdn.codec_profile import CodecProfile
 
 log = logging.getLogger(__name__)
-
-#: ``fetch(ref, on_bytes, cancel) -> (data, source)``: a source of chunk objects. The
-#: bytes it returns have passed ``ref.check`` (size and sha256, as the manifest says).
-FetchFn = Callable[[ObjectRef, Callable[[int], None], Cancel], tuple[bytes, str]]
 
 TICK_S = 0.02  # how often the controller looks at the link when nothing else happens
 SAMPLE_BYTES = 256 << 10  # a throughput sample spans at least this many bytes ...
@@ -149,15 +145,15 @@ class _LinkMeter:
 
 
 class Pipeline:
-    """Loads every chunk of ``manifest`` into ``kv`` (``[L, 2, H, T, D]``) by ``policy``."""
+    """Loads every chunk of ``manifest`` into ``target`` by ``policy``."""
 
     def __init__(
         self,
         manifest: Manifest,
         loaded: LoadedModel,
-        kv: torch.Tensor,
+        target: KVTarget,
         *,
-        fetch: FetchFn,
+        reader: Reader,
         profile: CodecProfile | None,
         speed: DeviceSpeed,
         predictor: ThroughputPredictor,
@@ -171,8 +167,9 @@ class Pipeline:
     ) -> None:
         self.manifest = manifest
         self.loaded = loaded
-        self.kv = kv
-        self.fetch = fetch
+        self.target = target
+        self.reader = reader
+        self.placement = manifest.chain_hash  # a document's objects are served together
         self.profile = profile
         self.speed = speed
         self.predictor = predictor
@@ -370,9 +367,12 @@ class Pipeline:
 
         def work() -> None:
             try:
-                data, source = self.fetch(ref, on_bytes, cancel)
+                got = self.reader.fetch(
+                    ref.key, max_bytes=ref.bytes, check=ref.check, placement=self.placement,
+                    on_bytes=on_bytes, cancel=cancel,
+                )  # fmt: skip
                 if not cancel.is_set():
-                    c.data, c.source = data, source
+                    c.data, c.source = got.data, got.source
                 self.events.put(("fetched", c, attempt))
             except FetchCancelled:
                 self.events.put(("fetch_cancelled", c, attempt))
@@ -438,7 +438,7 @@ class Pipeline:
             name=f"object {ref.key}",
             device=self.loaded.device,
             profile=self.profile,
-            out=self.kv[:, :, :, c.entry.start : c.entry.end],
+            out=self.target.chunk(c.entry.start, c.entry.end),
             verified=True,  # checked against the manifest's sha256 when it arrived
         )
         if header.chunk_hash != c.entry.hash:
@@ -446,9 +446,8 @@ class Pipeline:
 
     def _recompute(self, c: _Chunk) -> None:
         start, end = c.entry.start, c.entry.end
-        self.kv[:, :, :, start:end] = self.loaded.extend(
-            self.kv[:, :, :, :start], c.entry.tokens
-        ).to(self.kv.dtype)
+        out = self.target.chunk(start, end)
+        out.copy_(self.loaded.extend(self.target.prefix(start), c.entry.tokens))
 
     def _learn_device(self, c: _Chunk, seconds: float) -> None:
         """Correct the measured device speed by what this load sees (contention, clocks)."""

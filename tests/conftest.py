@@ -41,7 +41,7 @@ def profile(_isolated_home, model):
     calibration once per session; later publishes (in this process and in
     subprocesses, which share the cache folder) reuse it.
     """
-    from kvcdn.profiles import ensure_profile
+    from kvcdn.profile_store import ensure_profile
     from kvcdn.store import open_store
 
     found, _ = ensure_profile(open_store("memory://conftest-profile"), model)

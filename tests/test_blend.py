@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from kvcdn import sdk
-from kvcdn.blend import check_positions, position_error, rope_frequencies
+from kvcdn.cacheblend import check_positions, position_error, rope_frequencies
 from kvcdn.catalog import read_manifest
 from kvcdn.cli.main import cli
 from kvcdn.errors import BlendUnsupported, FingerprintMismatch, InputError
@@ -20,7 +20,6 @@ from kvcdn.keys import latest_key, manifest_key
 from kvcdn.manifest import pointer_bytes
 from kvcdn.models import LoadedModel, crop_cache
 from kvcdn.publish import publish
-from kvcdn.sdk.blend import answer_with_prefill_of
 from kvcdn.store import open_store
 
 PAGES = ("sed", "grep", "tar")
@@ -96,7 +95,7 @@ def test_full_recompute_equals_full_prefill(model, store):
     ctx = sdk.load_contexts(list(PAGES), model=model, store=store, recompute_ratio=1.0)
     assert ctx.blend.recomputed == ctx.blend.reused > 500
     ours = ctx.generate(QUESTION, max_new_tokens=16)
-    base = answer_with_prefill_of(ctx, QUESTION, max_new_tokens=16)
+    base = ctx.answer_with_prefill(QUESTION, max_new_tokens=16)
     assert ours.token_ids == base.token_ids
     assert torch.allclose(ours.first_token_logits, base.first_token_logits, atol=2e-3)
     # the blended cache is the prefill's cache, layer by layer
@@ -144,7 +143,7 @@ def test_blending_is_closer_to_prefill_than_concatenation(model, store):
     assert reuse.blend.recomputed == 0
     blended = sdk.load_contexts(list(PAGES), model=model, store=store, recompute_ratio=0.15)
     assert reuse.token_ids == blended.token_ids
-    reference = answer_with_prefill_of(reuse, QUESTION, max_new_tokens=1).first_token_logits
+    reference = reuse.answer_with_prefill(QUESTION, max_new_tokens=1).first_token_logits
     kl_reuse = _kl_to_prefill(model, reuse, QUESTION, reference)
     kl_blend = _kl_to_prefill(model, blended, QUESTION, reference)
     assert kl_blend < kl_reuse

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvcdn.cli.main import cli
-from kvcdn.profile import LADDER
+from kvcdn.codec_profile import LADDER
 
 COMMANDS = ["publish", "ls", "inspect", "ask", "demo"]
 

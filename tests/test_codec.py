@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcdn.codec import decode_chunk, encode_chunk, ladder_level, parse_levels
+from kvcdn.codec_profile import LADDER, parse_profile
 from kvcdn.container import ChunkHeader, pack, unpack
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, KvcdnError
 from kvcdn.kernels import rans, rans_numba
-from kvcdn.profile import LADDER, parse_profile
 
 HASH = "ab" * 32
 

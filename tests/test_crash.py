@@ -12,7 +12,7 @@ import pytest
 
 from kvcdn import sdk
 from kvcdn.catalog import versions
-from kvcdn.profile import LADDER
+from kvcdn.codec_profile import LADDER
 from kvcdn.publish import publish
 from kvcdn.store import open_store
 from tests.conftest import s3_target

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcdn import jsonfmt, keys
+from kvcdn.codec_profile import parse_profile
 from kvcdn.errors import FormatError, InputError, IntegrityError, TrustError
 from kvcdn.manifest import open_manifest, open_pointer, parse_manifest
-from kvcdn.profile import parse_profile
 from kvcdn.signing import MANIFEST_TYPE, SigningKey, TrustPolicy, read_public_keys, seal
 from tests.test_format import _manifest_json
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcdn import sdk
+from kvcdn.codec_profile import LADDER
 from kvcdn.errors import (
     DocumentTooLong,
     FingerprintMismatch,
@@ -19,7 +20,6 @@ from kvcdn.errors import (
     NotFound,
 )
 from kvcdn.keys import manifest_key
-from kvcdn.profile import LADDER
 from kvcdn.publish import publish
 from kvcdn.store import open_store
 

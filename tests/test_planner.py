@@ -191,7 +191,7 @@ def test_a_fetch_in_flight_on_a_dead_link_makes_the_plan_infeasible():
 
 def test_quality_scores_come_from_the_manifest(tmp_path):
     from kvcdn.manifest import LevelInfo, Manifest
-    from kvcdn.sdk.context import quality_scores
+    from kvcdn.sdk.loader import quality_scores
 
     def level(codec, bits, quality):
         return LevelInfo("id", codec, {}, 1, bits, quality=quality)
@@ -215,13 +215,13 @@ def test_quality_scores_come_from_the_manifest(tmp_path):
 
 def test_a_new_link_starts_from_the_prior_unless_the_manifest_shows_it_is_slower():
     """The manifest's read, less the pointer read's overhead, lowers the prior, never raises it."""
-    from kvcdn.sdk.context import _TimedReader
+    from kvcdn.sdk.loader import TimedReader
     from kvcdn.store import open_store
 
     store = open_store("memory://timed-reader")
     store.put("pointer", b"{}")
     store.put("manifest", b"m" * 30_000)
-    timed = _TimedReader(store)
+    timed = TimedReader(store)
     assert timed.get("manifest") == b"m" * 30_000  # reads pass through, and are timed
     assert len(timed.reads) == 1 and timed.reads[0][0] == 30_000
     prior = 12.5e6

@@ -1,0 +1,373 @@
+"""The one load path: a source to a manifest (resolved once), checked against the model,
+then planned, fetched, verified and decoded chunk by chunk into a KV target.
+
+:class:`~kvcdn.sdk.Client` drives it; nothing here keeps state between loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from kvcdn import catalog
+from kvcdn.codec import RANS_CODEC, TEXT_LEVEL
+from kvcdn.errors import FingerprintMismatch, FormatError, InputError, NotFound
+from kvcdn.keys import NAME_PATTERN
+from kvcdn.kv import split_chunks
+from kvcdn.manifest import Manifest
+from kvcdn.models import LoadedModel
+from kvcdn.profile_store import ProfileCache, load_profile
+from kvcdn.publish import document_text, is_document_path, read_document, source_digest
+from kvcdn.signing import TrustPolicy
+from kvcdn.store import Cancel, Check, Fetched, Reader, Store, open_store
+
+from . import checks
+from .context import LoadPlan
+from .devspeed import DeviceSpeeds
+from .edges import EdgeStore
+from .planner import Policy, ThroughputPredictor
+from .streaming import ChunkReport, Pipeline
+from .targets import KVTarget
+
+log = logging.getLogger(__name__)
+
+#: ``quality="auto"``: each chunk's level (or recompute) chosen by the planner.
+AUTO = "auto"
+#: The deadline keeps room for a question of this many tokens (chat framing included)
+#: to reach its first token.
+ANSWER_RESERVE_TOKENS = 64
+#: The planner aims this fraction of the deadline early: estimates of device work
+#: running beside fetches (and the cache assembly after the last chunk) run short.
+DEADLINE_MARGIN = 0.05
+_REF = re.compile(rf"^{NAME_PATTERN}(@(\d+|latest))?$")
+
+#: ``models(name)``: the loaded model called ``name`` (None: the default one).
+ModelSource = Callable[[str | None], LoadedModel]
+
+
+def open_reader(
+    store: str | Reader | None,
+    *,
+    endpoint_url: str | None = None,
+    edges: list[str] | None = None,
+    edge_token: str | None = None,
+    trust: TrustPolicy | None = None,
+) -> Reader:
+    """What loads read through: the edges (falling back to ``store``) or the store.
+
+    Without ``trust``, manifests and pointers are read from ``store`` when one
+    is given, not from the edges: only the origin decides which objects load.
+    """
+    checks.store(store)
+    checks.optional_string(endpoint_url, "endpoint_url")
+    if edges is not None:
+        origin = None
+        if isinstance(store, Store):
+            origin = store
+        elif isinstance(store, str):
+            origin = open_store(store, endpoint_url=endpoint_url, create=False)
+        return EdgeStore(edges, origin, token=edge_token, documents_from_origin=trust is None)
+    if store is None or isinstance(store, str):
+        return open_store(store, endpoint_url=endpoint_url, create=False)
+    return store  # a Store, or an EdgeStore the caller configured
+
+
+class TimedReader:
+    """A reader that times its ``get`` calls, for a first look at a new link.
+
+    Resolving a document reads a tiny pointer and then the manifest (tens of
+    kilobytes); the difference of their times is the manifest's transfer
+    without the per-request overhead, which would otherwise swamp it.
+    """
+
+    SMALL = 4096  # bytes: a read this small is all overhead
+
+    def __init__(self, inner: Reader) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.reads: list[tuple[int, float]] = []
+
+    def get(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+    ) -> bytes:
+        t = time.perf_counter()
+        data = self.inner.get(key, max_bytes=max_bytes, check=check, placement=placement)
+        self.reads.append((len(data), time.perf_counter() - t))
+        return data
+
+    def fetch(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        cancel: Cancel | None = None,
+    ) -> Fetched:
+        got = self.inner.fetch(
+            key, max_bytes=max_bytes, check=check, placement=placement, on_bytes=on_bytes,
+            cancel=cancel,
+        )  # fmt: skip
+        self.reads.append((len(got.data), got.seconds))
+        return got
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.inner.list(prefix)
+
+    def throughput_bound(self, prior_bps: float) -> float:
+        """A new link's throughput before any chunk: ``prior_bps``, or less if the
+        largest read shows the link is slower.
+
+        A read of tens of kilobytes over a fast link takes less time than the
+        requests' overhead varies by, so it can only show that a link is slow,
+        never that it is fast: the estimate never rises above the prior.
+        """
+        small = [s for n, s in self.reads if n <= self.SMALL]
+        if not self.reads:
+            return prior_bps
+        nbytes, seconds = max(self.reads)
+        if nbytes <= self.SMALL:
+            return prior_bps
+        transfer_s = seconds - min(small, default=0.0)
+        if transfer_s <= 0:
+            return prior_bps
+        return max(1e3, min(prior_bps, nbytes / transfer_s))
+
+
+def resolve_manifest(
+    source: str | Path,
+    reader: Reader,
+    models: ModelSource,
+    model: str | LoadedModel | None,
+    trust: TrustPolicy | None = None,
+) -> tuple[Manifest, LoadedModel | None, float]:
+    """The manifest ``source`` names (``name[@version]``, a document path or its text).
+
+    A document's text is found by its digest for a model, so that path loads
+    the model (``model``, or the default, from ``models``) first; the
+    manifest found must say it was published from that very text. Returns the
+    manifest, the model if loaded (or given), and the seconds spent loading it.
+    """
+    source = checks.source(source)
+    loaded = model if isinstance(model, LoadedModel) else None
+    model_s = 0.0
+    if isinstance(source, Path) or is_document_path(source):
+        text, what = read_document(source), str(source)
+    elif _REF.match(source.strip()):
+        name, version = catalog.parse_ref(source.strip())
+        return catalog.read_manifest(reader, name, version, trust=trust), loaded, model_s
+    else:
+        text, what = document_text(source.encode("utf-8"), "the text"), "the text"
+    if loaded is None:
+        t = time.perf_counter()
+        loaded = models(model if isinstance(model, str) else None)
+        model_s = time.perf_counter() - t
+    found = catalog.find_by_source(reader, loaded.fingerprint, source_digest(text), trust=trust)
+    if found is None:
+        raise NotFound(
+            f"{what} has not been published for model {loaded.name} in {reader.url}; "
+            "publish it first (kvcdn publish)"
+        )
+    return found, loaded, model_s
+
+
+def check_against_model(manifest: Manifest, loaded: LoadedModel) -> None:
+    """Refuse KV that this model cannot hold, before anything is allocated for it:
+    another model's, a layout that differs from the model's, more tokens than its
+    context window, token ids outside its vocabulary, chunk hashes that do not
+    follow from the manifest's own tokens (which tie every object key to its text)."""
+    if loaded.fingerprint != manifest.model_fingerprint:
+        raise FingerprintMismatch(
+            f"{manifest.ref} holds KV of model {manifest.model_name} "
+            f"(fingerprint {manifest.model_fingerprint[:12]}), not of {loaded.name} "
+            f"({loaded.fingerprint[:12]}); load it with the model it was published with"
+        )
+    layout = loaded.layout
+    mine = (layout.layers, layout.kv_heads, layout.head_dim)
+    theirs = tuple(manifest.kv_layout[k] for k in ("layers", "kv_heads", "head_dim"))
+    if theirs != mine:
+        raise FormatError(
+            f"{manifest.ref} describes KV of {theirs[0]} layers x {theirs[1]} heads x "
+            f"{theirs[2]}, but {loaded.name} has {mine[0]} x {mine[1]} x {mine[2]}: "
+            "the manifest is inconsistent"
+        )
+    loaded.check_fits(manifest.token_count)
+    vocab = loaded.vocab_size
+    if any(t >= vocab for c in manifest.chunks for t in c.tokens):
+        raise FormatError(f"{manifest.ref} holds token ids outside {loaded.name}'s vocabulary")
+    expected = split_chunks(loaded.fingerprint, manifest.token_ids, manifest.chunk_tokens)
+    if [c.hash for c in expected] != [c.hash for c in manifest.chunks]:
+        raise FormatError(f"manifest of {manifest.ref}: chunk hashes do not match its tokens")
+
+
+def check_quality(manifest: Manifest, quality: str) -> list[str]:
+    """The stored levels a load at ``quality`` may fetch (``[]`` for ``text``)."""
+    if quality == TEXT_LEVEL:
+        return []
+    if quality != AUTO and quality not in manifest.levels:
+        raise InputError(
+            f"{manifest.ref} has no level '{quality}' (it has "
+            f"{', '.join(manifest.levels)}; or use 'auto', or 'text' to recompute)"
+        )
+    stored = [lv for lv in manifest.levels if lv != TEXT_LEVEL]
+    levels = stored if quality == AUTO else [quality]
+    for chunk in manifest.chunks:
+        if not any(lv in chunk.objects for lv in levels):
+            raise FormatError(f"{manifest.ref} lacks level {levels[0]} for chunk {chunk.index}")
+    return levels
+
+
+def quality_scores(manifest: Manifest) -> dict[str, float]:
+    """Each level's quality score for the planner: 1.0 is the model's exact KV.
+
+    The score is the level's measured top-1 agreement with exact KV minus its
+    mean KL (which orders levels of equal agreement). ``fp16`` and ``text``
+    are exact. A lossy level without a measurement is scored like the best
+    measured level with no more bits per element, else 0.99.
+    """
+    scores: dict[str, float] = {TEXT_LEVEL: 1.0}
+    for name, lv in manifest.levels.items():
+        if lv.codec == "fp16":
+            scores[name] = 1.0
+        elif "top1_agree" in lv.quality:
+            scores[name] = lv.quality["top1_agree"] - lv.quality.get("kl", 0.0)
+    for name, lv in manifest.levels.items():
+        if name not in scores:
+            below = [
+                scores[o]
+                for o, other in manifest.levels.items()
+                if o in scores and o != TEXT_LEVEL and other.bits_per_element <= lv.bits_per_element
+            ]
+            scores[name] = max(below, default=0.99)
+    return scores
+
+
+def load_into(
+    target: KVTarget,
+    manifest: Manifest,
+    loaded: LoadedModel,
+    reader: Reader,
+    *,
+    quality: str,
+    deadline_s: float | None,
+    started: float,
+    seconds: dict[str, float],
+    predictor: ThroughputPredictor,
+    policy: Policy,
+    profiles: ProfileCache,
+    speeds: DeviceSpeeds,
+) -> LoadPlan:
+    """Fill ``target`` with ``manifest``'s KV (checked against ``loaded`` already).
+
+    ``started`` is the ``perf_counter`` the deadline counts from (one-off
+    costs such as measuring the device move it on). Returns the load's report
+    ; ``seconds`` gains its stages.
+    """
+    levels = check_quality(manifest, quality)
+    if not levels:
+        return _recompute_into(target, manifest, loaded, reader, started, seconds, deadline_s)
+    t = time.perf_counter()
+    profile = None
+    if manifest.codec_profile is not None and any(
+        manifest.levels[lv].codec == RANS_CODEC for lv in levels
+    ):
+        profile = load_profile(
+            reader, manifest.codec_profile, placement=manifest.chain_hash, cache=profiles
+        )
+        profile.check_model(loaded.fingerprint, f"the codec profile of {manifest.name}")
+    speed, measured_s = speeds.get(loaded, manifest, profile)
+    if measured_s:  # once per device and model, like loading the model: not on the clock
+        started += measured_s
+        seconds["measure_device"] = measured_s
+    seconds["prepare"] = time.perf_counter() - t - measured_s
+
+    reserve_s = speed.recompute_seconds(ANSWER_RESERVE_TOKENS, manifest.token_count)
+    deadline_at = None
+    if deadline_s is not None and quality == AUTO:
+        deadline_at = started + deadline_s * (1 - DEADLINE_MARGIN) - reserve_s
+    pipeline = Pipeline(
+        manifest,
+        loaded,
+        target,
+        reader=reader,
+        profile=profile,
+        speed=speed,
+        predictor=predictor,
+        policy=policy,
+        levels=levels,
+        allow_text=quality == AUTO,
+        quality_of=quality_scores(manifest),
+        deadline_at=deadline_at,
+        concurrency=2 if deadline_at is not None else 4,
+        cancel_late_fetches=getattr(policy, "cancels_late_fetches", True),
+    )
+    t = time.perf_counter()
+    result = pipeline.run()
+    seconds["load"] = time.perf_counter() - t
+    head_s = t - started  # before the pipeline started
+    plan = LoadPlan(
+        store=reader.url,
+        level=quality,
+        chunk_levels=[c.level for c in result.chunks],
+        bytes=sum(c.bytes for c in result.chunks),
+        seconds=seconds,
+        chunk_sources=[c.source for c in result.chunks],
+        chunks=result.chunks,
+        deadline_s=deadline_s,
+        predicted_ttft_s=head_s + result.predicted_s + reserve_s,
+        ready_s=time.perf_counter() - started,
+        feasible=result.feasible,
+        replans=result.replans,
+        cancelled=result.cancelled,
+    )
+    log.info(
+        "loaded %s (%s): %s; %d bytes; ready in %.2f s (predicted %.2f s with the answer)",
+        manifest.ref,
+        quality,
+        ", ".join(f"{n}×{lv}" for lv, n in Counter(plan.chunk_levels).items()),
+        plan.bytes,
+        plan.ready_s,
+        plan.predicted_ttft_s,
+    )
+    return plan
+
+
+def _recompute_into(
+    target: KVTarget,
+    manifest: Manifest,
+    loaded: LoadedModel,
+    reader: Reader,
+    started: float,
+    seconds: dict[str, float],
+    deadline_s: float | None,
+) -> LoadPlan:
+    """The ``text`` level: prefill the manifest's tokens on the device."""
+    t = time.perf_counter()
+    target.chunk(0, manifest.token_count).copy_(loaded.prefill(manifest.token_ids))
+    seconds["recompute"] = time.perf_counter() - t
+    ready_s = time.perf_counter() - started
+    n = len(manifest.chunks)
+    return LoadPlan(
+        store=reader.url,
+        level=TEXT_LEVEL,
+        chunk_levels=[TEXT_LEVEL] * n,
+        bytes=0,
+        seconds=seconds,
+        chunk_sources=[TEXT_LEVEL] * n,
+        chunks=[
+            ChunkReport(c.index, c.end - c.start, TEXT_LEVEL, TEXT_LEVEL, 0, 0.0, ready_s, 1.0)
+            for c in manifest.chunks
+        ],
+        deadline_s=deadline_s,
+        ready_s=ready_s,
+    )

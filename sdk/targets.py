@@ -1,0 +1,68 @@
+"""KV targets: where a load decodes a document's chunks.
+
+The loader never builds a cache itself. It asks a target for the slice that
+chunk ``[start, end)`` of the document goes to (all layers, keys and values),
+decodes or recomputes the chunk straight into it, and hands the target back.
+A target for transformers is one tensor that a ``DynamicCache`` is then laid
+over (no copy); a target for blending is a plain tensor; a serving engine's
+target maps the same slices onto its own paged blocks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcdn.models import LoadedModel
+
+
+class KVTarget(Protocol):
+    """Where one document's KV goes, ``[L, 2, H, T, D]`` by token position."""
+
+    #: The document's tokens: every position in ``[0, tokens)`` is written once.
+    tokens: int
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        """A writable ``[L, 2, H, end - start, D]`` view for tokens ``[start, end)``."""
+        ...
+
+    def prefix(self, end: int) -> torch.Tensor:
+        """The KV of tokens ``[0, end)``, all written already (what recomputing the
+        chunk at ``end`` attends to)."""
+        ...
+
+
+class TensorTarget:
+    """A document's KV in one tensor ``[L, 2, H, T, D]`` on the model's device, in its
+    dtype: what blending reads, and what a transformers cache is laid over."""
+
+    def __init__(self, loaded: LoadedModel, tokens: int) -> None:
+        import torch
+
+        layout = loaded.layout
+        self.tokens = tokens
+        self.kv = torch.empty(
+            (layout.layers, 2, layout.kv_heads, tokens, layout.head_dim),
+            dtype=loaded.dtype,
+            device=loaded.device,
+        )
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        return self.kv[:, :, :, start:end]
+
+    def prefix(self, end: int) -> torch.Tensor:
+        return self.kv[:, :, :, :end]
+
+
+class CacheTarget(TensorTarget):
+    """A transformers ``DynamicCache`` filled in place: its layers are views of the
+    tensor the chunks were decoded into (:meth:`LoadedModel.cache_from_kv`)."""
+
+    def __init__(self, loaded: LoadedModel, tokens: int) -> None:
+        super().__init__(loaded, tokens)
+        self.loaded = loaded
+
+    def cache(self) -> Any:
+        return self.loaded.cache_from_kv(self.kv)
