@@ -3,7 +3,7 @@
 - :mod:`.documents`: the held-out documents it runs on;
 - :mod:`.measure`: real containers and kernels, timed, and the quality of every row;
 - :mod:`.estimates`: the entropy-estimated baselines and ablations;
-- :mod:`.triton_decode`: the Triton GPU decoder's throughput;
+- :mod:`.triton_decode`: the Triton GPU decoder's throughput on synthetic streams;
 - :mod:`.report`: means, targets, the tables, the JSON result and the plot;
 - :mod:`.log`: progress and warnings on stderr.
 """
