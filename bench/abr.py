@@ -289,8 +289,10 @@ def _run(
     args: argparse.Namespace,
     model: Any,
 ) -> dict[str, Any]:
+    from abr_baselines import LastSamplePredictor, cachegen_plan
+
     from kvcdn.sdk import forget_links, load_context
-    from kvcdn.sdk.planner import LastSamplePredictor, cachegen_plan, plan
+    from kvcdn.sdk.planner import plan
 
     _post(f"{url}/shaping", {"offset_s": offset})
     restarted = time.perf_counter()

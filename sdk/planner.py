@@ -129,22 +129,6 @@ class HarmonicPredictor:
         self._samples.append(measured)
 
 
-class LastSamplePredictor:
-    """CacheGen's estimate: the throughput of the last transfer (the baseline's predictor)."""
-
-    def __init__(self, initial_bps: float = 12.5e6) -> None:
-        self.bps = initial_bps
-        self.samples = 0
-
-    def predict_seconds(self, nbytes: int) -> float:
-        return 0.0 if nbytes <= 0 else nbytes / self.bps
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if seconds > 0:
-            self.bps = max(nbytes / seconds, 1e3)
-            self.samples += 1
-
-
 @dataclass
 class Plan:
     choices: dict[int, Option]  # chunk index -> chosen option
@@ -332,30 +316,3 @@ def estimate(
     if link_bytes:  # the fetches in flight must arrive too, even if nothing follows them
         device_free = max(device_free, predictor.predict_seconds(link_bytes))
     return device_free
-
-
-def cachegen_plan(
-    chunks: Sequence[ChunkChoice],
-    predictor: ThroughputPredictor,
-    deadline_s: float | None,
-    busy: Busy = IDLE,
-) -> Plan:
-    """CacheGen's controller, the baseline ``bench/abr.py`` compares against.
-
-    Each chunk gets an even share of the time left; it takes the best level
-    whose transfer fits its share at the predicted throughput, else ``text``.
-    """
-    chosen: dict[int, Option] = {}
-    share = None if deadline_s is None or not chunks else deadline_s / len(chunks)
-    for chunk in chunks:
-        fetched = sorted(
-            (o for o in chunk.options if o.level != TEXT), key=lambda o: (-o.quality, o.bytes)
-        )
-        text = [o for o in chunk.options if o.level == TEXT]
-        fits = [o for o in fetched if share is None or predictor.predict_seconds(o.bytes) <= share]
-        chosen[chunk.index] = (fits or text or fetched[-1:])[0]
-    finish = estimate(chunks, chosen, predictor, busy)
-    return Plan(chosen, finish, deadline_s is None or finish <= deadline_s)
-
-
-cachegen_plan.cancels_late_fetches = False  # type: ignore[attr-defined]  # per chunk, no second thoughts
