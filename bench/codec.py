@@ -100,9 +100,9 @@ def main() -> int:
     from rich.console import Console
 
     from kvcdn.calibrate import bundled_texts
+    from kvcdn.codec_profile import LADDER
     from kvcdn.kv import DEFAULT_CHUNK_TOKENS
     from kvcdn.models import load_model
-    from kvcdn.codec_profile import LADDER
     from kvcdn.profile_store import ensure_profile
     from kvcdn.quality import make_sample
     from kvcdn.store import open_store
