@@ -34,7 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-TEXT = "text"
+from kvcdn.manifest import TEXT_LEVEL
+
+#: The option that recomputes a chunk from its tokens: the manifest's ``text`` level.
+TEXT = TEXT_LEVEL
 
 
 @dataclass(frozen=True)
