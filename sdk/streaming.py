@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcdn.codec import decode_chunk
 from kvcdn.errors import FormatError
@@ -96,6 +96,35 @@ class _Chunk:
     start_s: float = 0.0
     ready_s: float = 0.0
     abandoned: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """A fetch of ``chunk`` ended: its bytes are in the chunk (``cancelled``: it stopped
+    because it was cancelled). ``attempt`` tells an abandoned fetch's late news apart."""
+
+    chunk: _Chunk
+    attempt: int
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class _DeviceDone:
+    """The device finished decoding or recomputing ``chunk`` in ``seconds``."""
+
+    chunk: _Chunk
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Work on ``chunk`` raised ``error``; the controller raises it."""
+
+    chunk: _Chunk
+    error: BaseException
+
+
+_Event = _Fetched | _DeviceDone | _Failed
 
 
 class _LinkMeter:
@@ -182,7 +211,7 @@ class Pipeline:
         self.cancel_late_fetches = cancel_late_fetches and deadline_at is not None
         self.chunks = [_Chunk(c) for c in manifest.chunks]
         self.meter = _LinkMeter(predictor)
-        self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.events: queue.Queue[_Event] = queue.Queue()
         # device costs as measured, corrected by what this load's device work takes
         self.decode_factor = 1.0
         self.recompute_factor = 1.0
@@ -329,26 +358,26 @@ class Pipeline:
                         last_cancel = now
                         self._plan(now)
                 continue
-            kind, chunk = event[0], event[1]
-            if kind in ("fetched", "fetch_cancelled") and event[2] != chunk.attempt:
-                continue  # from a fetch abandoned earlier
-            if kind == "fetched":
-                chunk.state = _State.FETCHED
-                self.meter.tick(now, any(c.state is _State.FETCHING for c in self.chunks))
+            chunk = event.chunk
+            if isinstance(event, _Failed):
+                raise event.error
+            if isinstance(event, _Fetched):
+                if event.attempt != chunk.attempt:
+                    continue  # from a fetch abandoned earlier
+                if event.cancelled:  # it stopped by itself when cancelled
+                    self._abandon(chunk)
+                else:
+                    chunk.state = _State.FETCHED
+                    self.meter.tick(now, any(c.state is _State.FETCHING for c in self.chunks))
                 self._plan(now)
-            elif kind == "fetch_cancelled":  # it stopped by itself when cancelled
-                self._abandon(chunk)
-                self._plan(now)
-            elif kind == "device_done":
+            else:
                 device_busy = False
-                self._learn_device(chunk, event[2])
+                self._learn_device(chunk, event.seconds)
                 chunk.state = _State.DONE
                 chunk.data = b""
                 chunk.ready_s = now - self._t0
                 self._device_task = None
                 self._plan(now)
-            elif kind == "error":
-                raise event[2]
 
     def _start_fetch(self, c: _Chunk, pool: ThreadPoolExecutor, now: float) -> None:
         assert c.planned is not None
@@ -373,12 +402,12 @@ class Pipeline:
                 )  # fmt: skip
                 if not cancel.is_set():
                     c.data, c.source = got.data, got.source
-                self.events.put(("fetched", c, attempt))
+                self.events.put(_Fetched(c, attempt))
             except FetchCancelled:
-                self.events.put(("fetch_cancelled", c, attempt))
+                self.events.put(_Fetched(c, attempt, cancelled=True))
             except BaseException as exc:
                 if not cancel.is_set():  # handed to the controller, which raises it
-                    self.events.put(("error", c, exc))
+                    self.events.put(_Failed(c, exc))
 
         self.meter.start(now)
         pool.submit(work)
@@ -426,9 +455,9 @@ class Pipeline:
 
                 torch.cuda.synchronize(torch.device(self.loaded.device))
         except BaseException as exc:
-            self.events.put(("error", c, exc))
+            self.events.put(_Failed(c, exc))
             return
-        self.events.put(("device_done", c, time.perf_counter() - started))
+        self.events.put(_DeviceDone(c, time.perf_counter() - started))
 
     def _decode(self, c: _Chunk) -> None:
         assert c.option is not None
