@@ -1,0 +1,414 @@
+"""`kvcdn edge serve` and `kvcdn warm`: edge cache nodes."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from kvcdn.errors import KvcdnError
+
+from .app import (
+    _emit_json,
+    _mb,
+    _open,
+    _progress,
+    _read_token,
+    _trust,
+    cli,
+    endpoint_option,
+    err,
+    json_option,
+    out,
+    store_option,
+    trust_option,
+)
+
+
+@cli.group()
+def edge() -> None:
+    """Edge cache nodes: HTTP byte caches near the GPUs, in front of the store."""
+
+
+_SIZE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _parse_size(value: str, option: str) -> int:
+    text = value.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1] if text and text[-1] in "KMGT" else ""
+    number = text[: len(text) - len(unit)]
+    try:
+        size = int(float(number) * _SIZE[unit])
+    except (ValueError, OverflowError):  # not a number, or infinite
+        raise click.BadParameter(
+            f"{value!r} is not a size (examples: 512M, 20G)", param_hint=option
+        ) from None
+    if size <= 0:
+        raise click.BadParameter("the size must be positive", param_hint=option)
+    return size
+
+
+
+@edge.command("serve")
+@click.option(
+    "--origin",
+    required=True,
+    help="Where misses are read from: s3://bucket/prefix, a folder, or http(s)://.",
+)
+@click.option(
+    "--cache-dir",
+    required=True,
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Folder for cached objects (kept across restarts).",
+)
+@click.option("--max-bytes", default="10G", show_default=True, help="Cache size limit (LRU).")
+@click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT.")
+@click.option("--parent", help="A parent edge's URL, asked before the origin (tiered caching).")
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the bearer token clients must send to read.",
+)
+@click.option(
+    "--admin-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the bearer token for POST /warm. [default: the read token, if any]",
+)
+@click.option(
+    "--bucket",
+    help="Bucket name S3 clients use for this edge. [default: the origin's bucket, or kvcdn]",
+)
+@click.option("--origin-timeout", default=30.0, show_default=True, help="Seconds per origin fetch.")
+@click.option(
+    "--rate-limit",
+    metavar="SIZE",
+    help="Send at most SIZE bytes per second in all (like nginx's limit_rate), e.g. 20M.",
+)
+@click.option(
+    "--throttle-trace",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="Send as fast as this throughput trace allows ('<seconds> <Mbit/s>' lines), "
+    "replayed in a loop: for testing adaptive loading over a real link.",
+)
+@click.option(
+    "--throttle-scale",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Multiply the trace's throughput (100 or 1000 model datacenter links).",
+)
+@click.option(
+    "--throttle-offset",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Start the trace this many seconds in.",
+)
+@click.option(
+    "--warm-concurrency",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Origin fetches that warm jobs may run at once.",
+)
+@trust_option
+@click.option(
+    "--s3-keys",
+    "s3_keys_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File of 'ACCESS_KEY_ID SECRET_ACCESS_KEY' lines: S3 clients must sign their "
+    "requests with one of these keys (AWS Signature V4).",
+)
+@click.option(
+    "--max-stale",
+    default=86400.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="While the origin is down, serve pointers up to this old (with a Warning header).",
+)
+@endpoint_option
+def edge_serve(
+    origin: str,
+    cache_dir: Path,
+    max_bytes: str,
+    listen: str,
+    parent: str | None,
+    token_file: Path | None,
+    admin_token_file: Path | None,
+    bucket: str | None,
+    origin_timeout: float,
+    rate_limit: str | None,
+    throttle_trace: Path | None,
+    throttle_scale: float,
+    throttle_offset: float,
+    warm_concurrency: int,
+    trust_file: Path | None,
+    s3_keys_file: Path | None,
+    max_stale: float,
+    endpoint_url: str | None,
+) -> None:
+    """Serve store objects over HTTP with a read-through disk cache.
+
+    GET/HEAD /{key} with byte ranges, ETags and conditional requests; chunk
+    objects, profiles and manifest versions are immutable, pointers are
+    revalidated, and served stale while the origin is down. Concurrent misses
+    share one origin fetch; everything is verified against its key before it
+    is cached and when served from disk. With --trust, manifests must be
+    signed by a trusted key and are then cached for good; without, they are
+    revalidated like pointers, since the edge cannot tell a forged one.
+
+    S3 clients (boto3, s3fs, aws s3) read the same objects through
+    GET/HEAD /{bucket}/{key} and ListObjectsV2 with --endpoint-url set to the
+    edge; with --s3-keys they must sign with one of its keys. POST /warm
+    {"keys": [...]} prefetches in the background (see `kvcdn warm`).
+    /metrics (Prometheus) and /healthz are always open.
+
+    \b
+      kvcdn edge serve --origin s3://kv/prod --cache-dir /var/cache/kvcdn --max-bytes 200G
+      kvcdn edge serve --origin s3://kv/prod --parent http://regional-edge:8080 ...
+      kvcdn edge serve --origin s3://kv/prod --trust publishers.pub --s3-keys clients.keys ...
+    """
+    import os
+
+    from kvcdn.edge.cache import DiskCache
+    from kvcdn.edge.origin import open_origin
+    from kvcdn.edge.s3api import BucketView
+    from kvcdn.edge.s3auth import S3Keys
+    from kvcdn.edge.server import Edge, run
+    from kvcdn.signing import TrustPolicy
+
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
+    if bucket is not None and (bucket in _EDGE_ROUTES or not _BUCKET.match(bucket)):
+        raise click.BadParameter(
+            f"{bucket!r} cannot be a bucket name here (3-63 lowercase letters, digits, . or -; "
+            f"not {', '.join(sorted(_EDGE_ROUTES))})",
+            param_hint="--bucket",
+        )
+    if endpoint_url:
+        from kvcdn.store import check_endpoint_url
+
+        os.environ["AWS_ENDPOINT_URL"] = check_endpoint_url(endpoint_url) or ""
+    read_token = _read_token(token_file)
+    trust = TrustPolicy.from_file(trust_file) if trust_file else None
+    s3_keys = S3Keys.from_file(s3_keys_file) if s3_keys_file else None
+    origins = [open_origin(origin, origin_timeout)]  # refuses an origin that does not exist
+    if parent:  # a parent edge of the same network takes the same read token
+        origins.insert(0, open_origin(parent, origin_timeout, read_token))
+    try:
+        cache = DiskCache(cache_dir, _parse_size(max_bytes, "--max-bytes"))
+    except OSError as exc:
+        raise click.BadParameter(f"cannot use {cache_dir}: {exc.strerror}") from None
+    node = Edge(
+        cache,
+        origins,
+        read_token,
+        admin_token=_read_token(admin_token_file),
+        view=BucketView.for_origin(origin, bucket),
+        warm_concurrency=warm_concurrency,
+        shaper=_shaper(rate_limit, throttle_trace, throttle_scale, throttle_offset),
+        trust=trust,
+        s3_keys=s3_keys,
+        max_stale_s=max_stale,
+    )
+    checks = [n for n, on in (("signed manifests", trust), ("S3 signatures", s3_keys)) if on]
+    err.print(
+        f"kvcdn edge on http://{host}:{port} → {escape(origin)}"
+        + (f" (verifying {' and '.join(checks)})" if checks else "")
+    )
+    if s3_keys is not None and read_token is None:
+        err.print(
+            "note: with --s3-keys and no --token-file only signed S3 requests can read; "
+            "kvcdn SDK readers send the bearer token of --token-file"
+        )
+    run(node, host, int(port))
+
+
+def _shaper(rate: str | None, trace: Path | None, scale: float, offset: float) -> Any:
+    from kvcdn.edge.shaping import LinkShaper, Trace, TraceError
+
+    if rate and trace:
+        raise click.UsageError("use --rate-limit or --throttle-trace, not both")
+    if rate:
+        return LinkShaper.fixed(_parse_size(rate, "--rate-limit"))
+    if trace:
+        try:
+            return LinkShaper.replay(Trace.load(trace, scale=scale), offset_s=offset)
+        except TraceError as exc:
+            raise click.BadParameter(str(exc), param_hint="--throttle-trace") from None
+    return None
+
+
+_EDGE_ROUTES = {"warm", "metrics", "healthz"}
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+@cli.command()
+@click.argument("refs", nargs=-1, required=True, metavar="NAME[@VERSION]...")
+@click.option(
+    "--edge",
+    "edges",
+    multiple=True,
+    required=True,
+    metavar="URL",
+    help="An edge node (repeat for several); each document goes to the edge(s) that "
+    "rendezvous hashing of its chain hash picks, as the SDK does.",
+)
+@click.option(
+    "--levels",
+    help="Levels to warm, comma-separated. [default: every level the document stores]",
+)
+@click.option(
+    "--replicas",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Edges per document (its first N in placement order).",
+)
+@click.option(
+    "--admin-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the edges' admin token.",
+)
+@click.option("--no-wait", is_flag=True, help="Start the warm jobs and return.")
+@store_option
+@endpoint_option
+@trust_option
+@json_option
+def warm(
+    refs: tuple[str, ...],
+    edges: tuple[str, ...],
+    levels: str | None,
+    replicas: int,
+    admin_token_file: Path | None,
+    no_wait: bool,
+    store: str | None,
+    endpoint_url: str | None,
+    trust_file: Path | None,
+    as_json: bool,
+) -> None:
+    """Pre-load edge nodes with documents, so first reads are cache hits.
+
+    Reads each document's manifest from the store, places the document on
+    its edge(s), and asks each edge to fetch the document's manifest, codec
+    profile and chunk objects in the background, then follows the jobs until
+    they finish. Warming is idempotent: objects an edge holds are not fetched
+    again.
+
+    \b
+      kvcdn warm sed-manual bash@3 --edge http://edge-a:8080 --edge http://edge-b:8080
+      kvcdn warm sed-manual --edge http://edge-a:8080 --levels default,lowest
+    """
+    from kvcdn.catalog import parse_ref, read_manifest
+    from kvcdn.errors import AccessDenied
+    from kvcdn.sdk.edges import EdgeAdmin, plan_warm
+
+    parsed = [parse_ref(ref) for ref in refs]
+    target = _open(store, endpoint_url)
+    trust = _trust(trust_file)
+    manifests = [read_manifest(target, name, version, trust=trust) for name, version in parsed]
+    chosen = [lv.strip() for lv in levels.split(",") if lv.strip()] if levels else None
+    plan = plan_warm(manifests, list(edges), chosen, replicas)
+    admin = EdgeAdmin(_read_token(admin_token_file))
+    jobs: dict[str, dict[str, Any]] = {}
+    failures: dict[str, str] = {}
+    refused: set[str] = set()
+    for assignment in plan:
+        try:
+            jobs[assignment.edge] = admin.warm(assignment.edge, assignment.keys)
+        except KvcdnError as exc:
+            failures[assignment.edge] = str(exc)
+            if isinstance(exc, AccessDenied):
+                refused.add(assignment.edge)
+    started = time.monotonic()
+    if not no_wait and jobs:
+        with _progress(not as_json) as progress:
+            bars = {
+                edge: progress.add_task(escape(edge), total=job["total"])
+                for edge, job in jobs.items()
+            }
+            while True:
+                for edge, job in list(jobs.items()):
+                    if job["state"] == "running" and edge not in failures:
+                        try:
+                            jobs[edge] = job = admin.job(edge, job["id"])
+                        except KvcdnError as exc:  # the edge went away mid-job
+                            failures[edge] = str(exc)
+                    progress.update(bars[edge], completed=job["done"])
+                if all(j["state"] != "running" or e in failures for e, j in jobs.items()):
+                    break
+                time.sleep(0.2)
+    seconds = time.monotonic() - started
+    rows = []
+    for assignment in plan:
+        job = jobs.get(assignment.edge, {})
+        rows.append(
+            {
+                "edge": assignment.edge,
+                "documents": assignment.documents,
+                "objects": len(assignment.keys),
+                "bytes": assignment.bytes,
+                "state": (
+                    ("refused" if assignment.edge in refused else "unreachable")
+                    if assignment.edge in failures
+                    else job.get("state")
+                ),
+                "cached": job.get("cached", 0),
+                "fetched": job.get("fetched", 0),
+                "failed": job.get("failed", 0),
+                "bytes_fetched": job.get("bytes_fetched", 0),
+                "errors": (
+                    [{"error": failures[assignment.edge]}]
+                    if assignment.edge in failures
+                    else job.get("errors", [])
+                ),
+                "job": job.get("id"),
+            }
+        )
+    failed = any(r["state"] in ("unreachable", "refused", "failed") for r in rows)
+    if as_json:
+        _emit_json({"edges": rows, "seconds": seconds, "ok": not failed})
+    else:
+        table = Table(box=None, pad_edge=False)
+        table.add_column("edge", no_wrap=True)
+        table.add_column("documents", overflow="fold", min_width=9)
+        table.add_column("objects", justify="right", no_wrap=True)
+        table.add_column("state", no_wrap=True)
+        table.add_column("fetched", justify="right", no_wrap=True)
+        table.add_column("had", justify="right", no_wrap=True)
+        for r in rows:
+            table.add_row(
+                escape(r["edge"]),
+                escape(", ".join(r["documents"]) or "(manifests)"),
+                f"{r['objects']} ({_mb(r['bytes'])})",
+                str(r["state"]),
+                f"{r['fetched']} ({_mb(r['bytes_fetched'])})",
+                str(r["cached"]),
+            )
+        out.print(table)
+        for r in rows:
+            for e in r["errors"][:5]:
+                where = f"{e['key']}: " if "key" in e else ""
+                err.print(f"[red]✗[/] {escape(r['edge'])}: {escape(where + e['error'])}")
+        if no_wait:
+            out.print("warm jobs started; follow them at EDGE/warm/JOB")
+        elif failed:
+            bad = sum(r["state"] in ("unreachable", "refused", "failed") for r in rows)
+            out.print(f"[red]warming incomplete[/]: {bad} of {len(rows)} edge(s) failed")
+        else:
+            out.print(
+                f"[green]✓[/] warmed {len(manifests)} document(s) on {len(rows)} edge(s) "
+                f"in {seconds:.1f} s"
+            )
+    if failed:
+        raise click.exceptions.Exit(1)
+
+
+# ---- ask / demo -----------------------------------------------------------------
