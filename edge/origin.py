@@ -49,10 +49,11 @@ class Origin(Protocol):
 class StoreOrigin:
     """An object store (``s3://bucket/prefix`` or a folder) through kvcdn's store layer."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, endpoint_url: str | None = None) -> None:
         self.url = url
         self.timeout_s = timeout_s
-        self._store = open_store(url, create=False)  # an edge never makes its origin
+        # an edge never makes its origin
+        self._store = open_store(url, endpoint_url=endpoint_url, create=False)
         # The store's client blocks; its own pool keeps many fetches in flight
         # (the default executor has only a few threads, shared with hashing).
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="origin")
@@ -185,8 +186,17 @@ class HTTPOrigin:
             await self._session.close()
 
 
-def open_origin(url: str, timeout_s: float = 30.0, token: str | None = None) -> Origin:
-    """A parent edge (``http(s)://``), else a store, which must exist."""
+def open_origin(
+    url: str,
+    timeout_s: float = 30.0,
+    token: str | None = None,
+    *,
+    endpoint_url: str | None = None,
+) -> Origin:
+    """A parent edge (``http(s)://``), else a store, which must exist.
+
+    ``endpoint_url`` is the S3-compatible endpoint of an ``s3://`` store
+    (None: boto's own configuration, ``AWS_ENDPOINT_URL`` included)."""
     if url.startswith(("http://", "https://")):
         return HTTPOrigin(check_endpoint_url(url) or url, timeout_s, token)
-    return StoreOrigin(url, timeout_s)
+    return StoreOrigin(url, timeout_s, check_endpoint_url(endpoint_url))
