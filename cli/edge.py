@@ -11,8 +11,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from kvcdn.errors import KvcdnError
-
+from . import reports
 from .app import (
     _emit_json,
     _mb,
@@ -174,7 +173,6 @@ def edge_serve(
       kvcdn edge serve --origin s3://kv/prod --parent http://regional-edge:8080 ...
       kvcdn edge serve --origin s3://kv/prod --trust publishers.pub --s3-keys clients.keys ...
     """
-    import os
 
     from kvcdn.edge.cache import DiskCache
     from kvcdn.edge.origin import open_origin
@@ -192,14 +190,11 @@ def edge_serve(
             f"not {', '.join(sorted(_EDGE_ROUTES))})",
             param_hint="--bucket",
         )
-    if endpoint_url:
-        from kvcdn.store import check_endpoint_url
-
-        os.environ["AWS_ENDPOINT_URL"] = check_endpoint_url(endpoint_url) or ""
     read_token = _read_token(token_file)
     trust = TrustPolicy.from_file(trust_file) if trust_file else None
     s3_keys = S3Keys.from_file(s3_keys_file) if s3_keys_file else None
-    origins = [open_origin(origin, origin_timeout)]  # refuses an origin that does not exist
+    # refuses an origin that does not exist
+    origins = [open_origin(origin, origin_timeout, endpoint_url=endpoint_url)]
     if parent:  # a parent edge of the same network takes the same read token
         origins.insert(0, open_origin(parent, origin_timeout, read_token))
     try:
@@ -307,74 +302,37 @@ def warm(
       kvcdn warm sed-manual --edge http://edge-a:8080 --levels default,lowest
     """
     from kvcdn.catalog import parse_ref, read_manifest
-    from kvcdn.errors import AccessDenied
-    from kvcdn.sdk.edges import EdgeAdmin, plan_warm
+    from kvcdn.sdk.edges import warm_edges
 
     parsed = [parse_ref(ref) for ref in refs]
     target = _open(store, endpoint_url)
     trust = _trust(trust_file)
     manifests = [read_manifest(target, name, version, trust=trust) for name, version in parsed]
     chosen = [lv.strip() for lv in levels.split(",") if lv.strip()] if levels else None
-    plan = plan_warm(manifests, list(edges), chosen, replicas)
-    admin = EdgeAdmin(_read_token(admin_token_file))
-    jobs: dict[str, dict[str, Any]] = {}
-    failures: dict[str, str] = {}
-    refused: set[str] = set()
-    for assignment in plan:
-        try:
-            jobs[assignment.edge] = admin.warm(assignment.edge, assignment.keys)
-        except KvcdnError as exc:
-            failures[assignment.edge] = str(exc)
-            if isinstance(exc, AccessDenied):
-                refused.add(assignment.edge)
     started = time.monotonic()
-    if not no_wait and jobs:
-        with _progress(not as_json) as progress:
-            bars = {
-                edge: progress.add_task(escape(edge), total=job["total"])
-                for edge, job in jobs.items()
-            }
-            while True:
-                for edge, job in list(jobs.items()):
-                    if job["state"] == "running" and edge not in failures:
-                        try:
-                            jobs[edge] = job = admin.job(edge, job["id"])
-                        except KvcdnError as exc:  # the edge went away mid-job
-                            failures[edge] = str(exc)
-                    progress.update(bars[edge], completed=job["done"])
-                if all(j["state"] != "running" or e in failures for e, j in jobs.items()):
-                    break
-                time.sleep(0.2)
-    seconds = time.monotonic() - started
-    rows = []
-    for assignment in plan:
-        job = jobs.get(assignment.edge, {})
-        rows.append(
-            {
-                "edge": assignment.edge,
-                "documents": assignment.documents,
-                "objects": len(assignment.keys),
-                "bytes": assignment.bytes,
-                "state": (
-                    ("refused" if assignment.edge in refused else "unreachable")
-                    if assignment.edge in failures
-                    else job.get("state")
-                ),
-                "cached": job.get("cached", 0),
-                "fetched": job.get("fetched", 0),
-                "failed": job.get("failed", 0),
-                "bytes_fetched": job.get("bytes_fetched", 0),
-                "errors": (
-                    [{"error": failures[assignment.edge]}]
-                    if assignment.edge in failures
-                    else job.get("errors", [])
-                ),
-                "job": job.get("id"),
-            }
+    with _progress(not as_json and not no_wait) as progress:
+        bars: dict[str, Any] = {}
+
+        def advance(assignment: Any, done: int, total: int) -> None:
+            if assignment.edge not in bars:
+                bars[assignment.edge] = progress.add_task(escape(assignment.edge), total=total)
+            progress.update(bars[assignment.edge], completed=done)
+
+        outcomes = warm_edges(
+            manifests,
+            list(edges),
+            levels=chosen,
+            replicas=replicas,
+            admin_token=_read_token(admin_token_file),
+            wait=not no_wait,
+            on_progress=advance,
         )
-    failed = any(r["state"] in ("unreachable", "refused", "failed") for r in rows)
+    seconds = time.monotonic() - started
+    report = reports.warmed(outcomes, seconds)
+    rows = report["edges"]
+    failed = not all(o.ok for o in outcomes)
     if as_json:
-        _emit_json({"edges": rows, "seconds": seconds, "ok": not failed})
+        _emit_json(report)
     else:
         table = Table(box=None, pad_edge=False)
         table.add_column("edge", no_wrap=True)
@@ -400,7 +358,7 @@ def warm(
         if no_wait:
             out.print("warm jobs started; follow them at EDGE/warm/JOB")
         elif failed:
-            bad = sum(r["state"] in ("unreachable", "refused", "failed") for r in rows)
+            bad = sum(not o.ok for o in outcomes)
             out.print(f"[red]warming incomplete[/]: {bad} of {len(rows)} edge(s) failed")
         else:
             out.print(

@@ -16,6 +16,7 @@
 a default client, for scripts.
 """
 
+from kvcdn.cacheblend import BlendReport
 from kvcdn.errors import (
     AccessDenied,
     ArgumentError,
@@ -42,7 +43,16 @@ from .client import (
     load_contexts,
 )
 from .context import Answer, BaseContext, BlendedContext, Context, LoadPlan, answer_with_prefill
-from .edges import EdgeAdmin, EdgeStore, Rejected, plan_warm, rendezvous
+from .edges import (
+    EdgeAdmin,
+    EdgeStore,
+    Rejected,
+    WarmJobStatus,
+    WarmOutcome,
+    plan_warm,
+    rendezvous,
+    warm_edges,
+)
 from .loader import AUTO
 from .streaming import ChunkReport
 from .targets import CacheTarget, KVTarget, TensorTarget
@@ -54,6 +64,7 @@ __all__ = [
     "Answer",
     "ArgumentError",
     "BaseContext",
+    "BlendReport",
     "BlendedContext",
     "CacheTarget",
     "Cancel",
@@ -80,6 +91,8 @@ __all__ = [
     "TensorTarget",
     "TrustError",
     "TrustPolicy",
+    "WarmJobStatus",
+    "WarmOutcome",
     "answer_with_prefill",
     "default_client",
     "forget_links",
@@ -87,4 +100,5 @@ __all__ = [
     "load_contexts",
     "plan_warm",
     "rendezvous",
+    "warm_edges",
 ]

@@ -493,13 +493,127 @@ class EdgeAdmin:
         return self._call("GET", f"{edge}/warm/{job_id}")
 
 
+_JOB_STATES = ("running", "done", "failed")
+_JOB_COUNTS = ("total", "done", "cached", "fetched", "failed", "bytes_fetched")
+MAX_JOB_ERRORS = 100  # an edge's list of failed keys, as far as it is kept
+
+
+@dataclass
+class WarmJobStatus:
+    """An edge's account of one warm job, checked: the answer comes over the network."""
+
+    id: str
+    state: str  # running, done (every key held) or failed (some key could not be fetched)
+    total: int
+    done: int
+    cached: int  # already held before the job
+    fetched: int
+    failed: int
+    bytes_fetched: int
+    errors: list[dict[str, str]]  # {"key", "error"} for keys that failed
+
+    @classmethod
+    def from_json(cls, edge: str, data: Any) -> WarmJobStatus:
+        """Parse an edge's answer; :class:`StoreError` when it is not a warm job."""
+        try:
+            counts = {name: data[name] for name in _JOB_COUNTS}
+            job_id, state = data["id"], data["state"]
+            errors = data.get("errors", [])
+            ok = (
+                isinstance(job_id, str)
+                and state in _JOB_STATES
+                and all(type(v) is int and v >= 0 for v in counts.values())
+                and isinstance(errors, list)
+            )
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise StoreError(f"{edge} answered something that is not a warm job")
+        return cls(
+            id=job_id,
+            state=state,
+            errors=[
+                {"key": str(e.get("key", "")), "error": str(e.get("error", ""))}
+                for e in errors[:MAX_JOB_ERRORS]
+                if isinstance(e, dict)
+            ],
+            **counts,
+        )
+
+
+@dataclass
+class WarmOutcome:
+    """What happened on one edge of a :func:`warm_edges` call."""
+
+    assignment: WarmAssignment
+    #: running (not waited for), done, failed (some keys), unreachable (the
+    #: edge did not answer or answered nonsense) or refused (the admin token).
+    state: str
+    job: WarmJobStatus | None = None
+    error: str | None = None  # why the edge is unreachable or refused
+
+    @property
+    def ok(self) -> bool:
+        return self.state in ("running", "done")
+
+
+def warm_edges(
+    manifests: Sequence[Manifest],
+    edges: Sequence[str],
+    *,
+    levels: Sequence[str] | None = None,
+    replicas: int = 1,
+    admin_token: str | None = None,
+    wait: bool = True,
+    poll_s: float = 0.2,
+    on_progress: Callable[[WarmAssignment, int, int], None] | None = None,
+) -> list[WarmOutcome]:
+    """Ask each edge to hold the objects placed on it (:func:`plan_warm`) and,
+    with ``wait``, follow the jobs until every one has finished.
+
+    ``on_progress(assignment, done, total)`` is called as jobs advance. An
+    edge that fails (unreachable, refused, nonsense) does not stop the others;
+    its outcome says why.
+    """
+    plan = plan_warm(manifests, edges, levels, replicas)
+    admin = EdgeAdmin(admin_token)
+    outcomes: list[WarmOutcome] = []
+    for assignment in plan:
+        try:
+            answer = admin.warm(assignment.edge, assignment.keys)
+            job = WarmJobStatus.from_json(assignment.edge, answer)
+            outcomes.append(WarmOutcome(assignment, job.state, job))
+        except KvcdnError as exc:
+            state = "refused" if isinstance(exc, AccessDenied) else "unreachable"
+            outcomes.append(WarmOutcome(assignment, state, error=str(exc)))
+    while wait:
+        for outcome in outcomes:
+            if outcome.state != "running" or outcome.job is None:
+                continue
+            try:
+                raw = admin.job(outcome.assignment.edge, outcome.job.id)
+                outcome.job = WarmJobStatus.from_json(outcome.assignment.edge, raw)
+                outcome.state = outcome.job.state
+            except KvcdnError as exc:  # the edge went away mid-job
+                outcome.state, outcome.error = "unreachable", str(exc)
+            if on_progress is not None and outcome.job is not None:
+                on_progress(outcome.assignment, outcome.job.done, outcome.job.total)
+        if all(o.state != "running" for o in outcomes):
+            break
+        time.sleep(poll_s)
+    return outcomes
+
+
 __all__ = [
     "EdgeAdmin",
     "EdgeStore",
     "Fetched",
     "WarmAssignment",
+    "WarmJobStatus",
+    "WarmOutcome",
     "check_edges",
     "plan_warm",
     "rendezvous",
+    "warm_edges",
     "warm_keys",
 ]
