@@ -305,6 +305,8 @@ def _run(
             "deadline_s": args.deadline,
             "predictor": LastSamplePredictor(),
             "policy": cachegen_plan,
+            # CacheGen decides per chunk and never revisits a fetch
+            "cancel_late_fetches": False,
         }
     elif method == "oracle":
         kwargs = {

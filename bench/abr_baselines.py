@@ -61,8 +61,3 @@ def cachegen_plan(
     finish = estimate(chunks, chosen, predictor, busy)
     return Plan(chosen, finish, deadline_s is None or finish <= deadline_s)
 
-
-# CacheGen decides per chunk and never revisits a fetch, so load_context must not cancel
-# its late fetches. load_context still reads this attribute with getattr; it stays on the
-# function until load_context takes the choice as an explicit argument.
-cachegen_plan.cancels_late_fetches = False  # type: ignore[attr-defined]

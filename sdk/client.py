@@ -196,6 +196,7 @@ class Client:
         deadline_s: float | None = None,
         predictor: ThroughputPredictor | None = None,
         policy: Policy | None = None,
+        cancel_late_fetches: bool = True,
     ) -> Context:
         """Load a published document's KV into a model cache.
 
@@ -212,7 +213,10 @@ class Client:
 
         ``predictor`` replaces the link's throughput predictor (by default
         the client's for this link: RobustMPC's harmonic mean), and ``policy``
-        the planner (:func:`kvcdn.sdk.planner.plan`).
+        the planner (:func:`kvcdn.sdk.planner.plan`). ``cancel_late_fetches``:
+        a fetch that can no longer make the deadline is abandoned and its chunk
+        planned again (False for policies that never revisit a choice, such as
+        CacheGen's controller).
         """
         started = time.perf_counter()
         deadline_s = checks.deadline(deadline_s)
@@ -237,7 +241,7 @@ class Client:
                 predictor.initial_bps = timed.throughput_bound(INITIAL_BPS)
         target = CacheTarget(loaded, manifest.token_count)
         plan_ = load.into(target, manifest, loaded, quality, deadline_s, started, seconds,
-                          predictor, policy)  # fmt: skip
+                          predictor, policy, cancel_late_fetches=cancel_late_fetches)  # fmt: skip
         t = time.perf_counter()
         cache = target.cache()
         seconds["assemble"] = time.perf_counter() - t
@@ -418,12 +422,15 @@ class _Loading:
         seconds: dict[str, float],
         predictor: ThroughputPredictor,
         policy: Policy | None,
+        *,
+        cancel_late_fetches: bool = True,
     ) -> LoadPlan:
         caches = self.client._caches
         plan_ = load_into(
             target, manifest, loaded, self.reader, quality=quality, deadline_s=deadline_s,
             started=started, seconds=seconds, predictor=predictor, policy=policy or plan,
-            profiles=caches.profiles, speeds=caches.speeds,
+            cancel_late_fetches=cancel_late_fetches, profiles=caches.profiles,
+            speeds=caches.speeds,
         )  # fmt: skip
         plan_.signed_by = manifest.signer.to_json() if manifest.signer else None
         rejected = getattr(self.reader, "rejected", ())
@@ -473,6 +480,7 @@ def load_context(
     edge_token: str | None = None,
     predictor: ThroughputPredictor | None = None,
     policy: Policy | None = None,
+    cancel_late_fetches: bool = True,
     trust: TrustPolicy | str | Path | None = None,
 ) -> Context:
     """:meth:`Client.load_context` on a client for ``store``/``edges``/``trust`` that
@@ -485,7 +493,7 @@ def load_context(
     )  # fmt: skip
     return client.load_context(
         source, model=model, quality=quality, deadline_s=deadline_s, predictor=predictor,
-        policy=policy,
+        policy=policy, cancel_late_fetches=cancel_late_fetches,
     )  # fmt: skip
 
 

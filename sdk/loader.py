@@ -264,6 +264,7 @@ def load_into(
     seconds: dict[str, float],
     predictor: ThroughputPredictor,
     policy: Policy,
+    cancel_late_fetches: bool = True,
     profiles: ProfileCache,
     speeds: DeviceSpeeds,
 ) -> LoadPlan:
@@ -309,7 +310,7 @@ def load_into(
         quality_of=quality_scores(manifest),
         deadline_at=deadline_at,
         concurrency=2 if deadline_at is not None else 4,
-        cancel_late_fetches=getattr(policy, "cancels_late_fetches", True),
+        cancel_late_fetches=cancel_late_fetches,
     )
     t = time.perf_counter()
     result = pipeline.run()
