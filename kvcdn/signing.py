@@ -132,7 +132,16 @@ class SigningKey:
             ) from None
         if not isinstance(private, Ed25519PrivateKey):
             raise InputError(f"{path} is not an ed25519 key (kvcdn signs with ed25519)")
-        return cls(private, path.stem)
+        key = cls(private, path.stem)
+        # its name is in the .pub file save() wrote beside it, when that holds this key
+        pub = path.with_name(path.name + ".pub")
+        try:
+            named = [k for k in read_public_keys(pub) if k.raw == key.public.raw]
+        except (InputError, OSError):
+            named = []
+        if named and named[0].comment:
+            key = cls(private, named[0].comment)
+        return key
 
     def save(self, path: str | Path) -> None:
         """Write the key (PEM, PKCS#8, readable by its owner only) and ``path.pub``.
