@@ -17,7 +17,7 @@ from kvcdn.errors import KvcdnError
 from kvcdn.store import Store
 
 if TYPE_CHECKING:
-    from kvcdn.signing import Signer, TrustPolicy
+    from kvcdn.signing import TrustPolicy
 
 out = Console()
 err = Console(stderr=True)
@@ -97,12 +97,14 @@ def _trust(path: Path | None) -> TrustPolicy | None:
     return TrustPolicy.from_file(path, state_path=state / "seen" / f"{digest}.json")
 
 
-def _signer_text(signer: Signer | None, trust: TrustPolicy | None) -> str:
-    if signer is None:
+def _signer_text(signed_by: dict[str, Any] | None) -> str:
+    """A signer as ``--json`` reports it (``reports.signer``), in words."""
+    if signed_by is None:
         return "unsigned"
-    if signer.trusted:
-        return f"signed by {signer.key.describe()}, trusted"
-    return f"signed by {signer.key.describe()}, not checked against a trust file"
+    key = signed_by["key_id"] + (f" ({signed_by['name']})" if signed_by["name"] else "")
+    if signed_by["trusted"]:
+        return f"signed by {key}, trusted"
+    return f"signed by {key}, not checked against a trust file"
 
 
 @click.group(cls=KvcdnGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +12,7 @@ from rich.markup import escape
 if TYPE_CHECKING:
     from kvcdn import sdk
 
+from . import reports
 from .app import (
     _emit_json,
     _mb,
@@ -169,14 +169,10 @@ def ask(
             model=model,
             client=client,
         )
-        if as_json:
-            _emit_json(result)
-        else:
-            _print_blended(result)
-        return
-    result = _ask(
-        docs[0], question, quality, deadline_s, compare, max_new_tokens, model, client
-    )
+    else:
+        result = _ask(
+            docs[0], question, quality, deadline_s, compare, max_new_tokens, model, client
+        )
     if as_json:
         _emit_json(result)
     else:
@@ -209,7 +205,6 @@ def _ask_blended(
     model: str | None,
     client: sdk.Client,
 ) -> dict[str, Any]:
-    trust = client.trust
     with err.status(f"loading and blending {len(docs)} documents…"):
         ctx = client.load_contexts(
             docs,
@@ -221,79 +216,29 @@ def _ask_blended(
             question=question,
         )
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
-    report = ctx.blend
-    result: dict[str, Any] = {
-        "documents": [f"{m.name}@{m.version}" for m in ctx.manifests],
-        "signed_by": [_signer_text(m.signer, trust) for m in ctx.manifests],
-        "question": question,
-        "kvcdn": {
-            "answer": answer.text,
-            "ttft_s": ctx.ready_s + answer.ttft_s,
-            "blend": {
-                "tokens": report.tokens,
-                "reused": report.reused,
-                "recomputed": report.recomputed,
-                "computed": report.computed,
-                "recompute_ratio": report.recompute_ratio,
-                "chosen_for_question": report.query > 0,
-                "seconds": report.seconds,
-            },
-            "loads": [
-                {
-                    "levels": dict(Counter(p.chunk_levels)),
-                    "bytes": p.bytes,
-                    "ready_s": p.ready_s,
-                    "mean_quality": p.mean_quality,
-                    "rejected": p.rejected,
-                }
-                for p in ctx.plans
-            ],
-        },
-    }
+    prefill = None
     if compare:
         with err.status("answering after a full prefill…"):
-            base = ctx.answer_with_prefill(question, max_new_tokens=max_new_tokens)
-        _add_prefill(result, base, answer)
-    return result
-
-
-def _add_prefill(result: dict[str, Any], base: Any, answer: Any) -> None:
-    """Put the full prefill's answer beside kvcdn's in ``result`` (``--compare``)."""
-    result["prefill"] = {"answer": base.text, "ttft_s": base.ttft_s}
-    result["speedup"] = base.ttft_s / result["kvcdn"]["ttft_s"]
-    result["same_answer"] = base.token_ids == answer.token_ids
+            prefill = ctx.answer_with_prefill(question, max_new_tokens=max_new_tokens)
+    return reports.asked(
+        question,
+        ctx.manifests,
+        ctx.plans,
+        answer=answer,
+        ready_s=ctx.ready_s,
+        blend_report=ctx.blend,
+        prefill=prefill,
+    )
 
 
 def _print_prefill(result: dict[str, Any]) -> None:
-    if "prefill" not in result:
+    if result["prefill"] is None:
         return
     pf = result["prefill"]
     out.print(f"\n[bold magenta]full prefill[/] first token after {pf['ttft_s']:.2f} s")
     out.print(escape(pf["answer"]))
     same = "same answer" if result["same_answer"] else "answers differ"
     out.print(f"\n[bold green]{result['speedup']:.1f}× faster to first token[/] ({same})")
-
-
-def _print_blended(result: dict[str, Any]) -> None:
-    kv = result["kvcdn"]
-    b = kv["blend"]
-    names = " + ".join(result["documents"])
-    out.print(f"[bold]{escape(names)}[/] · {escape(result['question'])}")
-    how = (
-        f"blended, {b['recomputed']} of {b['reused']} tokens recomputed"
-        + (" for the question" if b["chosen_for_question"] else "")
-        if b["recompute_ratio"] > 0
-        else "concatenated, nothing recomputed"
-    )
-    out.print(f"\n[bold cyan]kvcdn ({how})[/] first token after {kv['ttft_s']:.2f} s")
-    for name, signed, load in zip(
-        result["documents"], result["signed_by"], kv["loads"], strict=True
-    ):
-        levels = ", ".join(f"{n}×{lv}" for lv, n in load["levels"].items())
-        out.print(f"[dim]{escape(name)}: {levels}; {_mb(load['bytes'])}; {escape(signed)}[/]")
-        _print_rejected(load["rejected"])
-    out.print(escape(kv["answer"]))
-    _print_prefill(result)
 
 
 def _ask(
@@ -306,56 +251,56 @@ def _ask(
     model: str | None,
     client: sdk.Client,
 ) -> dict[str, Any]:
-    trust = client.trust
     # the model loads inside, off the clock: a one-off cost of the process
     with err.status("loading…"):
         ctx = client.load_context(doc, model=model, quality=quality, deadline_s=deadline_s)
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
-    plan = ctx.plan
-    result: dict[str, Any] = {
-        "document": ctx.name,
-        "question": question,
-        "signed_by": _signer_text(ctx.manifest.signer, trust),
-        "kvcdn": {
-            "answer": answer.text,
-            "quality": plan.level,
-            "levels": dict(Counter(plan.chunk_levels)),
-            "mean_quality": plan.mean_quality,
-            "bytes": plan.bytes,
-            "sources": dict(Counter(plan.chunk_sources)),
-            "load_seconds": plan.seconds,
-            "deadline_s": plan.deadline_s,
-            "predicted_ttft_s": plan.predicted_ttft_s,
-            "ttft_s": plan.ready_s + answer.ttft_s,
-            "replans": plan.replans,
-            "cancelled_fetches": plan.cancelled,
-            "rejected": plan.rejected,
-            "chunks": [c.__dict__ for c in plan.chunks],
-        },
-    }
+    prefill = None
     if compare:
         with err.status("answering after a full prefill…"):
-            base = ctx.answer_with_prefill(question, max_new_tokens=max_new_tokens)
-        _add_prefill(result, base, answer)
-    return result
+            prefill = ctx.answer_with_prefill(question, max_new_tokens=max_new_tokens)
+    return reports.asked(
+        question,
+        [ctx.manifest],
+        [ctx.plan],
+        answer=answer,
+        ready_s=ctx.plan.ready_s,
+        blend_report=None,
+        prefill=prefill,
+    )
 
 
 def _print_answers(result: dict[str, Any]) -> None:
-    kv = result["kvcdn"]
-    out.print(f"[bold]{escape(result['document'])}[/] · {escape(result['question'])}")
-    levels = ", ".join(f"{n}×{lv}" for lv, n in kv["levels"].items())
-    out.print(f"\n[bold cyan]kvcdn ({kv['quality']})[/] first token after {kv['ttft_s']:.2f} s")
-    line = f"[dim]{levels}; {_mb(kv['bytes'])}"
-    if kv["predicted_ttft_s"] is not None:
-        line += f"; planned {kv['predicted_ttft_s']:.2f} s"
-    if kv["deadline_s"] is not None:
-        met = kv["ttft_s"] <= kv["deadline_s"]
-        line += f"; deadline {kv['deadline_s']:g} s {'met' if met else '[red]missed[/]'}"
-    out.print(f"{line}; {escape(result['signed_by'])}[/]")
-    if any(source.startswith("http") or source == "origin" for source in kv["sources"]):
-        served = ", ".join(f"{escape(s)} ({n} chunks)" for s, n in kv["sources"].items())
-        out.print(f"[dim]served by {served}[/]")
-    _print_rejected(kv["rejected"])
+    """``kvcdn ask``'s report for people, from the same dict ``--json`` prints."""
+    kv, docs = result["kvcdn"], result["documents"]
+    names = " + ".join(d["ref"] for d in docs)
+    out.print(f"[bold]{escape(names)}[/] · {escape(result['question'])}")
+    b = kv["blend"]
+    if b is None:
+        how = docs[0]["load"]["quality"]
+    elif b["recompute_ratio"] > 0:
+        how = f"blended, {b['recomputed']} of {b['reused']} tokens recomputed" + (
+            " for the question" if b["chosen_for_question"] else ""
+        )
+    else:
+        how = "concatenated, nothing recomputed"
+    out.print(f"\n[bold cyan]kvcdn ({how})[/] first token after {kv['ttft_s']:.2f} s")
+    for doc in docs:
+        load = doc["load"]
+        levels = ", ".join(f"{n}×{lv}" for lv, n in load["levels"].items())
+        line = f"[dim]{escape(doc['ref']) + ': ' if b is not None else ''}{levels}"
+        line += f"; {_mb(load['bytes'])}"
+        if load["predicted_ttft_s"] is not None and b is None:
+            line += f"; planned {load['predicted_ttft_s']:.2f} s"
+        if load["deadline_s"] is not None and b is None:
+            met = kv["ttft_s"] <= load["deadline_s"]
+            line += f"; deadline {load['deadline_s']:g} s {'met' if met else '[red]missed[/]'}"
+        out.print(f"{line}; {escape(_signer_text(doc['signed_by']))}[/]")
+        sources = load["sources"]
+        if any(source.startswith("http") or source == "origin" for source in sources):
+            served = ", ".join(f"{escape(s)} ({n} chunks)" for s, n in sources.items())
+            out.print(f"[dim]served by {served}[/]")
+        _print_rejected(load["rejected"])
     out.print(escape(kv["answer"]))
     _print_prefill(result)
 
@@ -404,6 +349,6 @@ def demo(store: str | None, endpoint_url: str | None, device: str | None, as_jso
         client,
     )  # fmt: skip
     if as_json:
-        _emit_json({"publish": published.__dict__, "ask": result})
+        _emit_json({"publish": reports.published(published), "ask": result})
     else:
         _print_answers(result)

@@ -8,6 +8,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
+from . import reports
 from .app import (
     _emit_json,
     _mb,
@@ -45,7 +46,7 @@ def ls(store: str | None, endpoint_url: str | None, as_json: bool) -> None:
         return
     docs = list_documents(target)
     if as_json:
-        _emit_json([{"name": d.name, "versions": d.versions, "latest": d.latest} for d in docs])
+        _emit_json(reports.listing(docs))
         return
     if not docs:
         out.print(f"no documents in {escape(target.url)}")
@@ -75,14 +76,14 @@ def inspect(
     trust = _trust(trust_file)
     m = read_manifest(_open(store, endpoint_url), name, version, trust=trust)
     if as_json:
-        _emit_json({**m.to_json(), "signed_by": m.signer.to_json() if m.signer else None})
+        _emit_json(reports.inspected(m))
         return
     out.print(
         f"[bold]{escape(m.name)}@{m.version}[/]  model {escape(m.model_name)} "
         f"({m.model_fingerprint[:12]})  {m.token_count} tokens in {len(m.chunks)} chunks of "
         f"{m.chunk_tokens}  published {m.created_at}"
     )
-    out.print(escape(_signer_text(m.signer, trust)))
+    out.print(escape(_signer_text(reports.signer(m.signer))))
     layout = m.kv_layout
     out.print(
         f"KV layout: {layout['layers']} layers × {layout['kv_heads']} KV heads × "

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
+from . import reports
 from .app import (
     _emit_json,
     cli,
@@ -42,7 +43,7 @@ def keys_new(path: Path, comment: str | None, as_json: bool) -> None:
     key = SigningKey.generate(comment or path.stem)
     key.save(path)
     if as_json:
-        _emit_json({"private_key": str(path), "public_key": key.public.text, "id": key.public.id})
+        _emit_json(reports.key_made(path, key.public))
         return
     out.print(f"[green]✓[/] private key {escape(str(path))} (keep it secret)")
     out.print(f"public key {escape(str(path))}.pub, id {key.public.id}:")
@@ -62,7 +63,7 @@ def keys_show(path: Path, as_json: bool) -> None:
     except InputError:
         public = read_public_keys(path)
     if as_json:
-        _emit_json([{"id": k.id, "public_key": k.text, "name": k.comment} for k in public])
+        _emit_json(reports.public_keys(public))
         return
     for k in public:
         out.print(f"{k.text} {escape(k.comment)}  [dim]id {k.id}[/]", highlight=False)

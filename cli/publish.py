@@ -12,6 +12,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from kvcdn.signing import SigningKey
 
+from . import reports
 from .app import (
     _emit_json,
     _mb,
@@ -142,7 +143,7 @@ def publish(
                     f"{r.seconds['total']:.1f} s{signed}"
                 )
     if as_json:
-        _emit_json([r.__dict__ for r in results])
+        _emit_json([reports.published(r) for r in results])
 
 
 def _signing_keys(paths: tuple[Path, ...]) -> list[SigningKey]:
@@ -203,7 +204,7 @@ def calibrate(
     ref = publish_profile(target, profile)
     levels = {name: spec.quality for name, spec in profile.levels.items()}
     if as_json:
-        _emit_json({"profile": ref.__dict__, "levels": levels, "calibration": profile.calibration})
+        _emit_json(reports.calibrated(loaded.name, ref, levels, profile.calibration))
         return
     out.print(f"[green]✓[/] codec profile for {loaded.name} stored as {escape(ref.key)}")
     table = Table(

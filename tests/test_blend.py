@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 
 import pytest
@@ -21,6 +20,7 @@ from kvcdn.manifest import pointer_bytes
 from kvcdn.models import LoadedModel, crop_cache
 from kvcdn.publish import publish
 from kvcdn.store import open_store
+from tests.cli_json import parsed
 
 PAGES = ("sed", "grep", "tar")
 QUESTION = "Which command searches file contents, and which one edits a stream?"
@@ -175,8 +175,9 @@ def test_ask_several_documents(model, store):
     args = ["ask", "--docs", *PAGES, QUESTION, "--store", store, "--max-new-tokens", "8"]
     out = runner.invoke(cli, [*args, "--compare", "--json"])
     assert out.exit_code == 0, out.output
-    result = json.loads(out.stdout)
-    assert result["documents"] == [f"{p}@1" for p in PAGES]
+    result = parsed("ask", out.stdout)
+    assert [d["ref"] for d in result["documents"]] == [f"{p}@1" for p in PAGES]
+    assert all(d["load"]["bytes"] > 0 for d in result["documents"])
     blend = result["kvcdn"]["blend"]
     assert blend["recomputed"] == pytest.approx(0.15 * blend["reused"], abs=1)
     assert result["prefill"]["answer"] and result["kvcdn"]["answer"]

@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from kvcdn.cli.main import cli
 from kvcdn.codec_profile import LADDER
+from tests.cli_json import commands, parsed
 
 COMMANDS = ["publish", "ls", "inspect", "ask", "demo"]
 
@@ -35,6 +37,46 @@ def test_every_command_has_help(command):
         assert "--json" in result.output
 
 
+def _json_commands(group: click.Group, prefix: str = "") -> list[str]:
+    found = []
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found += _json_commands(command, f"{prefix}{name}_")
+        elif any(p.name == "as_json" for p in command.params):
+            found.append(f"{prefix}{name}")
+    return found
+
+
+def test_every_json_output_is_specified():
+    """Each command that takes --json has its output in docs/cli.schema.json."""
+    specified = set(commands())
+    assert set(_json_commands(cli)) <= specified
+    assert {"ask", "publish", "warm", "keys_new"} <= specified
+
+
+def test_calibrate_json_of_a_real_profile(profile, model):
+    """What `kvcdn calibrate --json` prints, from the session's real calibration
+    (running it again would cost a minute)."""
+    from kvcdn.cli import reports
+    from kvcdn.manifest import ObjectRef
+
+    ref = ObjectRef("profiles/x/y.kvp", len(profile.to_bytes()), profile.sha256)
+    levels = {name: spec.quality for name, spec in profile.levels.items()}
+    data = parsed("calibrate", json.dumps(reports.calibrated(model.name, ref, levels,
+                                                              profile.calibration)))
+    assert set(data["levels"]) == set(LADDER) and data["profile"]["sha256"] == profile.sha256
+
+
+def test_keys_json(tmp_path):
+    runner = CliRunner()
+    key = tmp_path / "publisher.key"
+    made = runner.invoke(cli, ["keys", "new", str(key), "--name", "ci", "--json"])
+    assert made.exit_code == 0, made.output
+    new = parsed("keys_new", made.stdout)
+    shown = parsed("keys_show", runner.invoke(cli, ["keys", "show", str(key), "--json"]).stdout)
+    assert shown == [{"id": new["id"], "public_key": new["public_key"], "name": "ci"}]
+
+
 def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
     store = str(tmp_path / "store")
     doc = tmp_path / "sed intro.md"
@@ -43,14 +85,14 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
     levels = ",".join(["fp16", *LADDER])
     out = runner.invoke(cli, ["publish", str(doc), "--store", store, "--levels", levels, "--json"])
     assert out.exit_code == 0, out.output
-    published = json.loads(out.stdout)[0]
+    published = parsed("publish", out.stdout)[0]
     assert published["name"] == "sed-intro" and published["version"] == 1
 
-    listing = json.loads(runner.invoke(cli, ["ls", "--store", store, "--json"]).stdout)
+    listing = parsed("ls", runner.invoke(cli, ["ls", "--store", store, "--json"]).stdout)
     assert listing == [{"name": "sed-intro", "versions": [1], "latest": 1}]
 
-    manifest = json.loads(
-        runner.invoke(cli, ["inspect", "sed-intro@1", "--store", store, "--json"]).stdout
+    manifest = parsed(
+        "inspect", runner.invoke(cli, ["inspect", "sed-intro@1", "--store", store, "--json"]).stdout
     )
     assert set(manifest["levels"]) == {"fp16", *LADDER, "text"}
     assert manifest["codec_profile"]["key"].startswith("profiles/")
@@ -75,9 +117,12 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
         ],
     )
     assert asked.exit_code == 0, asked.output
-    result = json.loads(asked.stdout)
-    assert result["kvcdn"]["quality"] == "fp16"
-    assert set(result["kvcdn"]["levels"]) == {"fp16"}
+    result = parsed("ask", asked.stdout)
+    (doc,) = result["documents"]
+    assert doc["ref"] == "sed-intro@1" and doc["signed_by"] is None
+    assert doc["load"]["quality"] == "fp16" and result["kvcdn"]["blend"] is None
+    assert set(doc["load"]["levels"]) == {"fp16"}
+    assert sum(c["tokens"] for c in doc["load"]["chunks"]) == published["token_count"]
     assert result["same_answer"] is True
     assert result["kvcdn"]["answer"] == result["prefill"]["answer"] != ""
     assert result["speedup"] == pytest.approx(
@@ -86,10 +131,12 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
 
     # the adaptive default, with a deadline: the plan is in the JSON and on the screen
     args = ["ask", "sed-intro", "What is sed?", "--store", store, "--deadline", "30"]
-    adaptive = json.loads(runner.invoke(cli, [*args, "--json"]).stdout)["kvcdn"]
-    assert adaptive["quality"] == "auto" and adaptive["deadline_s"] == 30
-    assert adaptive["levels"] == {"fp16": len(adaptive["chunks"])}  # the best, with slack
-    assert adaptive["predicted_ttft_s"] > 0 and adaptive["ttft_s"] < 30
+    adaptive = parsed("ask", runner.invoke(cli, [*args, "--json"]).stdout)
+    load = adaptive["documents"][0]["load"]
+    assert load["quality"] == "auto" and load["deadline_s"] == 30
+    assert load["levels"] == {"fp16": len(load["chunks"])}  # the best, with slack
+    assert load["predicted_ttft_s"] > 0 and adaptive["kvcdn"]["ttft_s"] < 30
+    assert adaptive["prefill"] is None and adaptive["speedup"] is None
     shown = runner.invoke(cli, args)
     assert shown.exit_code == 0 and "deadline 30 s met" in shown.output
     bad = runner.invoke(cli, [*args[:-1], "0"])
@@ -99,7 +146,7 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
 def test_demo_runs_on_embedded_defaults(model, tmp_path):
     result = CliRunner().invoke(cli, ["demo", "--store", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
+    data = parsed("demo", result.stdout)
     assert data["publish"]["name"] == "sed-manual" and data["publish"]["token_count"] > 2000
     assert data["ask"]["kvcdn"]["answer"]
     assert data["ask"]["prefill"]["ttft_s"] > 0 and data["ask"]["kvcdn"]["ttft_s"] > 0

@@ -20,6 +20,7 @@ from kvcdn.errors import StoreError
 from kvcdn.keys import manifest_key
 from kvcdn.sdk import load_context
 from kvcdn.sdk.edges import EdgeStore, plan_warm, rendezvous
+from tests.cli_json import parsed
 from tests.edge_helpers import EdgeProcess, MotoOrigin, get, post_json
 
 PREFIX = "kv"
@@ -163,7 +164,7 @@ def test_kvcdn_warm_places_documents_where_the_sdk_reads_them(published, model, 
         cmd += ["--store", published.url, "--endpoint-url", published.endpoint, "--json"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        report = json.loads(done.stdout)
+        report = parsed("warm", done.stdout)
         assert report["ok"]
         home = rendezvous(urls, published.manifest.chain_hash)[0]
         (row,) = [r for r in report["edges"] if r["documents"]]

@@ -3,7 +3,6 @@ longer than the context window, and warming an edge without its admin token."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from kvcdn.errors import ArgumentError, DocumentTooLong, InputError
 from kvcdn.keys import check_name, manifest_key, name_from_filename, parse_key
 from kvcdn.publish import document_and_name, publish
 from kvcdn.store import open_store
+from tests.cli_json import parsed
 from tests.edge_helpers import EdgeProcess
 
 LEVEL = "int8"
@@ -118,7 +118,7 @@ def test_a_unicode_name_through_publish_an_edge_and_the_cli(model, short_text, t
     finally:
         edge.kill()
     listed = CliRunner().invoke(cli, ["ls", "--store", str(root), "--json"])
-    assert json.loads(listed.output)[0]["name"] == result.name
+    assert parsed("ls", listed.output)[0]["name"] == result.name
     assert open_store(str(root)).list(f"docs/{result.name}/versions/")
 
 
@@ -134,7 +134,7 @@ def test_warm_without_the_admin_token_says_refused(published, tmp_path):
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 1
-        rows = json.loads(done.stdout)["edges"]
+        rows = parsed("warm", done.stdout)["edges"]
         assert {r["state"] for r in rows} == {"refused"}
         assert "refused the admin token" in rows[0]["errors"][0]["error"]
         ok = subprocess.run(

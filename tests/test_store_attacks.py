@@ -26,6 +26,7 @@ from kvcdn.publish import publish, source_digest
 from kvcdn.sdk.loader import open_reader
 from kvcdn.signing import TrustPolicy
 from kvcdn.store import open_store
+from tests.cli_json import parsed
 from tests.conftest import payload, signed_store
 
 LEVEL = "int8"
@@ -143,8 +144,8 @@ def test_cli_remembers_the_newest_version_across_runs(attacked, tmp_path):
     args = ("inspect", "victim", "--store", str(root), "--trust", str(trust_file), "--json")
     first = _cli(*args, env_home=home)
     assert first.returncode == 0, first.stderr
-    assert json.loads(first.stdout)["version"] == 2
-    assert json.loads(first.stdout)["signed_by"]["trusted"] is True
+    assert parsed("inspect", first.stdout)["version"] == 2
+    assert parsed("inspect", first.stdout)["signed_by"]["trusted"] is True
     (root / manifest_key("victim", 2)).unlink()  # rolled back: only version 1 is left
     _one_line(_cli(*args, env_home=home), 6, "already seen victim@2")
 

@@ -1,0 +1,178 @@
+"""What ``--json`` prints: one explicit builder per command's output.
+
+These dicts are a public interface, specified in docs/cli.md and
+docs/cli.schema.json (the tests validate every command's output against the
+schema). They are built field by field, never from a dataclass's ``__dict__``,
+so that renaming a field inside the library cannot change what scripts read.
+New keys may appear; existing keys keep their name, type and meaning.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcdn.catalog import DocumentSummary
+    from kvcdn.manifest import Manifest, ObjectRef
+    from kvcdn.publish import PublishResult
+    from kvcdn.sdk import BlendReport, LoadPlan
+    from kvcdn.sdk.edges import WarmOutcome
+    from kvcdn.signing import PublicKey, Signer
+
+
+def signer(s: Signer | None) -> dict[str, Any] | None:
+    return None if s is None else s.to_json()
+
+
+def published(r: PublishResult) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "version": r.version,
+        "manifest_key": r.manifest_key,
+        "unchanged": r.unchanged,
+        "token_count": r.token_count,
+        "chunks": r.chunks,
+        "uploaded_objects": r.uploaded_objects,
+        "reused_objects": r.reused_objects,
+        "uploaded_bytes": r.uploaded_bytes,
+        "level_bytes": dict(r.level_bytes),
+        "seconds": dict(r.seconds),
+        "signed_by": list(r.signed_by),
+    }
+
+
+def calibrated(
+    model: str, ref: ObjectRef, levels: dict[str, dict[str, float]], calibration: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "profile": {"key": ref.key, "bytes": ref.bytes, "sha256": ref.sha256},
+        "levels": {name: dict(q) for name, q in levels.items()},
+        "calibration": dict(calibration),
+    }
+
+
+def listing(docs: list[DocumentSummary]) -> list[dict[str, Any]]:
+    return [{"name": d.name, "versions": list(d.versions), "latest": d.latest} for d in docs]
+
+
+def inspected(m: Manifest) -> dict[str, Any]:
+    """The manifest as docs/manifest.md specifies it, and who signed it."""
+    return {**m.to_json(), "signed_by": signer(m.signer)}
+
+
+def load(plan: LoadPlan) -> dict[str, Any]:
+    """How one document's KV was loaded."""
+    return {
+        "quality": plan.level,
+        "levels": dict(Counter(plan.chunk_levels)),
+        "mean_quality": plan.mean_quality,
+        "bytes": plan.bytes,
+        "sources": dict(Counter(plan.chunk_sources)),
+        "seconds": dict(plan.seconds),
+        "deadline_s": plan.deadline_s,
+        "predicted_ttft_s": plan.predicted_ttft_s,
+        "ready_s": plan.ready_s,
+        "feasible": plan.feasible,
+        "replans": plan.replans,
+        "cancelled_fetches": plan.cancelled,
+        "rejected": list(plan.rejected),
+        "chunks": [
+            {
+                "index": c.index,
+                "tokens": c.tokens,
+                "level": c.level,
+                "source": c.source,
+                "bytes": c.bytes,
+                "start_s": c.start_s,
+                "ready_s": c.ready_s,
+                "quality": c.quality,
+                "abandoned": list(c.abandoned),
+            }
+            for c in plan.chunks
+        ],
+    }
+
+
+def blend(report: BlendReport) -> dict[str, Any]:
+    return {
+        "tokens": report.tokens,
+        "reused": report.reused,
+        "recomputed": report.recomputed,
+        "computed": report.computed,
+        "recompute_ratio": report.recompute_ratio,
+        "chosen_for_question": report.query > 0,
+        "seconds": report.seconds,
+    }
+
+
+def asked(
+    question: str,
+    manifests: list[Manifest],
+    plans: list[LoadPlan],
+    *,
+    answer: Any,
+    ready_s: float,
+    blend_report: BlendReport | None,
+    prefill: Any | None,
+) -> dict[str, Any]:
+    """``kvcdn ask``: the same shape for one document and for several."""
+    ttft_s = ready_s + answer.ttft_s
+    return {
+        "question": question,
+        "documents": [
+            {
+                "ref": f"{m.name}@{m.version}",
+                "name": m.name,
+                "version": m.version,
+                "signed_by": signer(m.signer),
+                "load": load(p),
+            }
+            for m, p in zip(manifests, plans, strict=True)
+        ],
+        "kvcdn": {
+            "answer": answer.text,
+            "ttft_s": ttft_s,
+            "ready_s": ready_s,
+            "blend": None if blend_report is None else blend(blend_report),
+        },
+        "prefill": None if prefill is None else {"answer": prefill.text, "ttft_s": prefill.ttft_s},
+        "speedup": None if prefill is None else prefill.ttft_s / ttft_s,
+        "same_answer": None if prefill is None else prefill.token_ids == answer.token_ids,
+    }
+
+
+def warmed(outcomes: list[WarmOutcome], seconds: float) -> dict[str, Any]:
+    rows = []
+    for o in outcomes:
+        job = o.job
+        rows.append(
+            {
+                "edge": o.assignment.edge,
+                "documents": list(o.assignment.documents),
+                "objects": len(o.assignment.keys),
+                "bytes": o.assignment.bytes,
+                "state": o.state,
+                "job": job.id if job else None,
+                "cached": job.cached if job else 0,
+                "fetched": job.fetched if job else 0,
+                "failed": job.failed if job else 0,
+                "bytes_fetched": job.bytes_fetched if job else 0,
+                "errors": [{"error": o.error}] if o.error else list(job.errors if job else []),
+            }
+        )
+    return {"edges": rows, "seconds": seconds, "ok": all(o.ok for o in outcomes)}
+
+
+def key_made(path: Path, public: PublicKey) -> dict[str, Any]:
+    return {"private_key": str(path), **public_key(public)}
+
+
+def public_key(k: PublicKey) -> dict[str, Any]:
+    return {"id": k.id, "public_key": k.text, "name": k.comment}
+
+
+def public_keys(keys: list[PublicKey]) -> list[dict[str, Any]]:
+    return [public_key(k) for k in keys]
