@@ -133,6 +133,10 @@ class LoadedModel:
         self.context_window = int(getattr(config, "max_position_embeddings", 0) or 2048)
         self._prefix, self._question_template = self._framing()
         self._fingerprint: str | None = None
+        #: Seconds this load spent materialising a GGUF into a Hugging Face folder
+        #: (once per machine and model; 0.0 when the folder was there).
+        self.materialise_s = 0.0
+        self.warm_up_s = 0.0  # seconds spent in warm_up() when a registry loaded it
 
     # ---- text framing --------------------------------------------------------
     def _framing(self) -> tuple[str, str]:
@@ -247,6 +251,27 @@ class LoadedModel:
         return torch.stack(
             [torch.stack([la.keys[0, :, start:], la.values[0, :, start:]]) for la in cache.layers]
         )
+
+    def warm_up(self) -> float:
+        """Run the model once on a few tokens and one decoding step, and return the
+        seconds it took.
+
+        A process's first forward pass pays PyTorch's one-time costs (kernel and
+        thread-pool set-up, the allocator's first blocks): about 0.7 s on two
+        CPUs. Paid here, at load time, the first question is as fast as later ones.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        start = time.perf_counter()
+        ids = self.document_ids("kvcdn warms the model up.")
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.model(torch.tensor([ids], device=self.device), past_key_values=cache,
+                       use_cache=True)  # fmt: skip
+            self.model(torch.tensor([ids[-1:]], device=self.device), past_key_values=cache,
+                       use_cache=True)  # fmt: skip
+        return time.perf_counter() - start
 
     @property
     def dtype(self) -> torch.dtype:
@@ -366,10 +391,14 @@ class ModelRegistry:
         self._lock = threading.Lock()
 
     def get(self, name: str | None = None, device: str | None = None) -> LoadedModel:
-        """The model ``name`` on ``device`` (as :func:`load_model`), loaded at most once."""
+        """The model ``name`` on ``device`` (as :func:`load_model`), loaded at most once
+        and warmed up (:meth:`LoadedModel.warm_up`) when it is."""
         key = (resolve_model(name), best_device(device))
         with self._lock:  # one load at a time: two threads asking for one model load it once
-            loaded = self._models.pop(key, None) or _load(*key)
+            loaded = self._models.pop(key, None)
+            if loaded is None:
+                loaded = _load(*key)
+                loaded.warm_up_s = loaded.warm_up()
             self._models[key] = loaded  # the most recently used last
             while len(self._models) > self.max_models:
                 dropped = next(iter(self._models))
@@ -392,34 +421,75 @@ class ModelRegistry:
 
 def _load(source: ModelSource, device: str) -> LoadedModel:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # GGUF loading is chatty about every tensor
     hf_logging.disable_progress_bar()  # progress is the caller's to show
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
     start = time.perf_counter()
-    try:
-        # GGUF conversion draws a bare tqdm bar on stderr; progress is the caller's to show.
-        with contextlib.redirect_stderr(io.StringIO()):
-            tokenizer = AutoTokenizer.from_pretrained(source.directory, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **kwargs)
-    except (OSError, ValueError) as exc:
-        if Path(source.directory).is_dir():
-            raise ModelError(
-                f"cannot load model '{source.name}' from {source.directory}: {exc}"
-            ) from None
-        raise ModelError(
-            f"the weights of '{source.name}' ({source.directory}) are not on this machine; "
-            f"download them first (`hf download {source.directory}`) or pass a local path"
-        ) from None
+    materialise_s = 0.0
+    directory, gguf_file = source.directory, source.gguf_file
+    if gguf_file:
+        try:
+            folder, materialise_s = _materialised(source)
+            directory, gguf_file = str(folder), None
+        except OSError as exc:  # a read-only or full cache: load the GGUF itself, slowly
+            log.warning("cannot keep a Hugging Face folder of %s (%s); loading the GGUF "
+                        "file, which is slower", source.name, exc)  # fmt: skip
+    tokenizer, model = _from_pretrained(source, directory, gguf_file, dtype)
     model.to(device)
     model.eval()
     log.info("loaded %s on %s in %.1f s", source.name, device, time.perf_counter() - start)
-    return LoadedModel(source, model, tokenizer, device)
+    loaded = LoadedModel(source, model, tokenizer, device)
+    loaded.materialise_s = materialise_s
+    return loaded
+
+
+def _from_pretrained(
+    source: ModelSource, directory: str, gguf_file: str | None, dtype: Any
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        # GGUF conversion draws a bare tqdm bar on stderr; progress is the caller's to show.
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        if Path(directory).is_dir():
+            raise ModelError(f"cannot load model '{source.name}' from {directory}: {exc}") from None
+        raise ModelError(
+            f"the weights of '{source.name}' ({directory}) are not on this machine; "
+            f"download them first (`hf download {directory}`) or pass a local path"
+        ) from None
+    return tokenizer, model
+
+
+def _materialised(source: ModelSource) -> tuple[Path, float]:
+    """The Hugging Face folder of a GGUF model (:mod:`kvcdn.model_cache`), made once."""
+    import torch
+
+    from . import model_cache
+
+    assert source.gguf_file is not None
+    gguf = Path(source.directory) / source.gguf_file
+
+    def write(folder: Path) -> None:
+        tokenizer, model = _from_pretrained(source, source.directory, source.gguf_file,
+                                            torch.float32)  # fmt: skip
+        # The weights are dequantised in memory: saved as they are, the folder gives
+        # the very logits the GGUF load gives. transformers refuses to save a model
+        # it loaded from GGUF, for the file's quantisation; there is none left.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    return model_cache.ensure_folder(source.name, gguf, _file_sha256(gguf), write)
 
 
 # ---- fingerprints -------------------------------------------------------------
@@ -440,6 +510,11 @@ def _fingerprint(loaded: LoadedModel) -> str:
         for k, v in loaded.model.config.to_dict().items()
         if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
     }
+    if loaded.source.gguf_file:
+        # transformers' GGUF loader leaves ``architectures`` unset; the folder
+        # materialised from it names the class (vLLM needs it). Fingerprints,
+        # published in manifests, stay those of the GGUF load.
+        config["architectures"] = None
     tok = loaded.tokenizer
     tok_digest = hashlib.sha256()
     tok_digest.update(json.dumps(sorted(tok.get_vocab().items())).encode())
