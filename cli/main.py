@@ -3,7 +3,8 @@
 Every command takes ``--json`` to print data for scripts instead. Library
 errors become one line on stderr and a non-zero exit code, never a traceback.
 One module per command group: ``publish`` (publish, calibrate), ``catalog``
-(ls, inspect), ``keys``, ``edge`` (edge serve, warm), ``ask`` (ask, demo);
+(ls, inspect), ``keys``, ``edge`` (edge serve, warm), ``ask`` (ask, demo),
+``models`` (cached model folders);
 ``app`` holds what they share.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import ask, catalog, edge, keys, publish  # noqa: F401  (each registers its commands)
+from . import ask, catalog, edge, keys, models, publish  # noqa: F401  (each registers its commands)
 from .app import cli
 
 __all__ = ["cli", "main"]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvcdn.catalog import DocumentSummary
     from kvcdn.manifest import Manifest, ObjectRef
+    from kvcdn.model_cache import CachedModel
     from kvcdn.publish import PublishResult
     from kvcdn.sdk import BlendReport, LoadPlan
     from kvcdn.sdk.edges import WarmOutcome
@@ -176,3 +177,19 @@ def public_key(k: PublicKey) -> dict[str, Any]:
 
 def public_keys(keys: list[PublicKey]) -> list[dict[str, Any]]:
     return [public_key(k) for k in keys]
+
+
+def cached_models(cached: list[CachedModel]) -> list[dict[str, Any]]:
+    return [
+        {
+            "folder": c.key,
+            "path": str(c.path),
+            "model": c.name,
+            "source_file": c.source_file,
+            "source_sha256": c.source_sha256,
+            "bytes": c.bytes,
+            "created_at": c.created_at,
+            "complete": c.complete,
+        }
+        for c in cached
+    ]
