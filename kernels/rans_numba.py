@@ -198,3 +198,27 @@ def decode(
     _decode(words, word_start, states, lut, table_id, scale, offset, out, status)
     if status.any():
         raise RansError("rANS stream does not end where it should (corrupt payload)")
+
+
+def warm_up() -> None:
+    """Run the decoder once on a tiny stream, in the array layouts a reader passes
+    (read-only words and states from a payload; a whole or sliced output), so
+    that a process's first real decode does not pay for loading the compiled
+    kernels from numba's cache (or compiling them)."""
+    from .rans import build_decode_table, encode_ref, normalize_freqs
+
+    G, T, D = 2, 4, 4
+    freqs = normalize_freqs(np.arange(1, 13, dtype=np.float64))[None, :]
+    sym = np.zeros((G, T, D), dtype=np.uint8)
+    table_id = np.zeros((G, D), dtype=np.int32)
+    states, words, word_start = encode_ref(sym, table_id, freqs)  # readers never encode
+    payload = states.astype("<u4").tobytes() + words.astype("<u2").tobytes()
+    states_ro = np.frombuffer(payload, dtype="<u4", count=G * D).reshape(G, D)
+    words_ro = np.frombuffer(payload, dtype="<u2", offset=4 * G * D)
+    lut = build_decode_table(freqs)
+    scale = np.ones((G, D), dtype=np.float32)
+    offset = np.zeros((G, D), dtype=np.float32)
+    whole = np.empty((G, T, D), dtype=np.float32)
+    sliced = np.empty((G, T + 1, D), dtype=np.float32)[:, 1:]  # after sink tokens
+    for out in (whole, sliced):
+        decode(words_ro, word_start, states_ro, lut, table_id, scale, offset, out)

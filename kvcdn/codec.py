@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -341,6 +342,27 @@ def _decode_rans(
     except RansError as exc:
         raise FormatError(f"{name}: {exc}") from None
     return out
+
+
+_warm_lock = threading.Lock()
+_warmed = False
+
+
+def warm_up() -> None:
+    """Load the CPU decode kernels into this process (once; later calls return at once),
+    so that the first chunk decoded does not pay for it (about 0.3 s)."""
+    global _warmed
+    with _warm_lock:
+        if _warmed:
+            return
+        from kvcdn.kernels import rans_numba
+
+        rans_numba.warm_up()
+        _warmed = True  # the compiled kernels are the process's, whoever loaded them
+
+
+def is_warm() -> bool:
+    return _warmed
 
 
 def _triton_available() -> bool:

@@ -10,12 +10,14 @@ default client's caches.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvcdn import codec
 from kvcdn.cacheblend import Piece, check_positions
 from kvcdn.cacheblend import blend as blend_caches
 from kvcdn.errors import ArgumentError, FingerprintMismatch, InputError
@@ -39,6 +41,8 @@ from .loader import (
 )
 from .planner import INITIAL_BPS, HarmonicPredictor, Policy, ThroughputPredictor, plan
 from .targets import CacheTarget, TensorTarget
+
+log = logging.getLogger(__name__)
 
 #: The fraction of the documents' tokens a blend recomputes by default (the paper's choice).
 RECOMPUTE_RATIO = 0.15
@@ -108,6 +112,7 @@ class Client:
         self._reader: Reader | None = None
         self._reader_lock = threading.Lock()
         self._caches = _Caches(max_models)
+        _warm_kernels_in_background()
 
     def __repr__(self) -> str:
         where = self._reader.url if self._reader is not None else self._store or "default store"
@@ -450,6 +455,20 @@ def _check_same_model(manifests: list[Manifest]) -> None:
                 f"{other.model_name}, fingerprint {other.model_fingerprint[:12]}, tokenizer "
                 f"{other.tokenizer[:12]}); publish them all for one model"
             )
+
+
+def _warm_kernels_in_background() -> None:
+    """Load the decode kernels while the caller does other things (loads a model):
+    the first request must not pay for them. Once per process."""
+
+    def warm() -> None:
+        try:
+            codec.warm_up()
+        except Exception:  # a warm-up never fails a client; the first decode will say
+            log.debug("warming the decode kernels failed", exc_info=True)
+
+    if not codec.is_warm():
+        threading.Thread(target=warm, name="kvcdn-warm-up", daemon=True).start()
 
 
 # ---- the module-level conveniences -------------------------------------------------
