@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -329,8 +330,10 @@ def demo(store: str | None, endpoint_url: str | None, device: str | None, as_jso
     client = sdk.Client(target, device=device)
     source = resources.files("kvcdn.cli") / "data" / "sed-manual.txt"
     with resources.as_file(source) as path:
-        with err.status("loading model…"):
+        t = time.perf_counter()
+        with err.status("loading model (the first time, converting it: ~20 s)…"):
             loaded = client.model()  # kept by the client for the answer
+        model_s = time.perf_counter() - t
         with _progress(not as_json) as progress:
             published = do_publish(
                 path,
@@ -338,17 +341,35 @@ def demo(store: str | None, endpoint_url: str | None, device: str | None, as_jso
                 store=target,
                 progress=_progress_callback(progress, "sed-manual"),
             )
+    setup = {
+        "model_load_s": model_s,
+        "materialise_s": loaded.materialise_s,
+        "calibrate_s": published.seconds.get("calibrate", 0.0),
+    }
     if not as_json:
         state = "already published" if published.unchanged else "published"
         out.print(
             f"[green]✓[/] {published.name}@{published.version} {state} to "
-            f"{escape(target.url)} ({published.token_count} tokens)\n"
+            f"{escape(target.url)} ({published.token_count} tokens)"
+        )
+        once = [
+            f"{what} {setup[key]:.1f} s"
+            for key, what in (
+                ("materialise_s", "converting the model to a Hugging Face folder"),
+                ("calibrate_s", "calibrating its codec"),
+            )
+            if setup[key]
+        ]
+        out.print(
+            f"[dim]model loaded in {model_s:.1f} s"
+            + (f", of which one-off on this machine: {'; '.join(once)}" if once else "")
+            + "[/]\n"
         )
     result = _ask(
         f"{published.name}@{published.version}", DEMO_QUESTION, "auto", None, True, 48, None,
         client,
     )  # fmt: skip
     if as_json:
-        _emit_json({"publish": reports.published(published), "ask": result})
+        _emit_json({"publish": reports.published(published), "setup": setup, "ask": result})
     else:
         _print_answers(result)

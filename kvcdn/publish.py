@@ -182,19 +182,25 @@ def publish(
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device)
     progress = progress or (lambda stage, done, total: None)
     profile = profile_ref = None
+    seconds: dict[str, float] = {}
     if needs_profile(levels):
         from .profile_store import ensure_profile
 
+        calibrated = False
+
+        def calibrating(stage: str, done: int, total: int) -> None:
+            nonlocal calibrated
+            calibrated = True
+            progress(f"calibrate:{stage}", done, total)
+
+        t = time.perf_counter()
         profile, profile_ref = ensure_profile(
-            store,
-            loaded,
-            lambda stage, done, total: progress(f"calibrate:{stage}", done, total),
-            sign_keys=sign_keys,
-            trust=trust,
+            store, loaded, calibrating, sign_keys=sign_keys, trust=trust
         )
+        if calibrated:  # the model had no codec profile: a one-off, reported apart
+            seconds["calibrate"] = time.perf_counter() - t
     chosen = parse_levels(levels, profile)
     on_object = on_object or (lambda key: None)
-    seconds: dict[str, float] = {}
     fingerprint = loaded.fingerprint
     src_sha = source_digest(text)
     signed_by = [k.public.id for k in sign_keys]
