@@ -361,10 +361,6 @@ def warm_up() -> None:
         _warmed = True  # the compiled kernels are the process's, whoever loaded them
 
 
-def is_warm() -> bool:
-    return _warmed
-
-
 def _triton_available() -> bool:
     try:
         from kvcdn.kernels import rans_triton

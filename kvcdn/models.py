@@ -264,7 +264,8 @@ class LoadedModel:
         from transformers import DynamicCache
 
         start = time.perf_counter()
-        ids = self.document_ids("kvcdn warms the model up.")
+        # a few dozen tokens, then one more: the shapes of a question after a document
+        ids = self.document_ids("kvcdn warms the model up. " * 6)
         cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
             self.model(torch.tensor([ids], device=self.device), past_key_values=cache,
@@ -399,6 +400,7 @@ class ModelRegistry:
             if loaded is None:
                 loaded = _load(*key)
                 loaded.warm_up_s = loaded.warm_up()
+                loaded.fingerprint  # noqa: B018  (computed now, not on a request's clock)
             self._models[key] = loaded  # the most recently used last
             while len(self._models) > self.max_models:
                 dropped = next(iter(self._models))

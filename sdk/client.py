@@ -80,7 +80,10 @@ class Client:
     names.
 
     ``device`` is where models run (default: a CUDA GPU if there is one);
-    at most ``max_models`` models are kept loaded. Use it as a context
+    at most ``max_models`` models are kept loaded. With ``warm`` (the
+    default), the client prepares in the background what a process's first
+    request would otherwise wait for: the decode kernels, and the connection
+    to the store (an error there is raised by the first request, not here). Use it as a context
     manager, or call :meth:`close`, to release connections and models.
 
         with sdk.Client(store="s3://bucket/kv", trust="publishers.trust") as client:
@@ -98,6 +101,7 @@ class Client:
         trust: TrustPolicy | str | Path | None = None,
         device: str | None = None,
         max_models: int = 2,
+        warm: bool = True,
     ) -> None:
         checks.store(store)
         checks.optional_string(endpoint_url, "endpoint_url")
@@ -112,7 +116,15 @@ class Client:
         self._reader: Reader | None = None
         self._reader_lock = threading.Lock()
         self._caches = _Caches(max_models)
-        _warm_kernels_in_background()
+        if warm:
+            threading.Thread(target=self._warm_up, name="kvcdn-warm-up", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        try:
+            codec.warm_up()
+            self.reader  # noqa: B018  (opens it: S3's first connection, edges' pools)
+        except Exception:  # the first request meets the same error and raises it
+            log.debug("warming up the client failed", exc_info=True)
 
     def __repr__(self) -> str:
         where = self._reader.url if self._reader is not None else self._store or "default store"
@@ -126,7 +138,8 @@ class Client:
 
     def close(self) -> None:
         """Release the connections to edges and the loaded models."""
-        reader, self._reader = self._reader, None
+        with self._reader_lock:  # after a warm-up that may be opening it
+            reader, self._reader = self._reader, None
         if isinstance(reader, EdgeStore):
             reader.close()
         self._caches.models.clear()
@@ -145,7 +158,7 @@ class Client:
         shares this one's models, profiles, link and device measurements."""
         other = Client(
             store, edges=edges, edge_token=edge_token, endpoint_url=endpoint_url, trust=trust,
-            device=device if device is not None else self.device,
+            device=device if device is not None else self.device, warm=False,
         )  # fmt: skip
         other._caches = self._caches
         return other
@@ -455,20 +468,6 @@ def _check_same_model(manifests: list[Manifest]) -> None:
                 f"{other.model_name}, fingerprint {other.model_fingerprint[:12]}, tokenizer "
                 f"{other.tokenizer[:12]}); publish them all for one model"
             )
-
-
-def _warm_kernels_in_background() -> None:
-    """Load the decode kernels while the caller does other things (loads a model):
-    the first request must not pay for them. Once per process."""
-
-    def warm() -> None:
-        try:
-            codec.warm_up()
-        except Exception:  # a warm-up never fails a client; the first decode will say
-            log.debug("warming the decode kernels failed", exc_info=True)
-
-    if not codec.is_warm():
-        threading.Thread(target=warm, name="kvcdn-warm-up", daemon=True).start()
 
 
 # ---- the module-level conveniences -------------------------------------------------
