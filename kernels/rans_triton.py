@@ -254,3 +254,23 @@ def to_device(
         put(scale, np.float32),
         put(offset, np.float32),
     )
+
+
+def warm_up(device: str | torch.device, dtype: torch.dtype, dim: int) -> None:
+    """Compile (or load from Triton's cache) the decoder for ``dtype`` outputs of
+    ``dim`` channels on ``device``, so that a process's first chunk does not wait
+    for it (about 0.5 s on an H200). Triton specialises integer arguments by
+    divisibility by 16, so both kinds of chunk length are run."""
+    from .rans import build_decode_table, encode_ref, normalize_freqs
+
+    freqs = normalize_freqs(np.arange(1, 13, dtype=np.float64))[None, :]
+    lut = build_decode_table(freqs)
+    table_id = np.zeros((1, dim), dtype=np.int32)
+    scale = np.ones((1, dim), dtype=np.float32)
+    offset = np.zeros((1, dim), dtype=np.float32)
+    for tokens in (16, 17):
+        sym = np.zeros((1, tokens, dim), dtype=np.uint8)
+        states, words, word_start = encode_ref(sym, table_id, freqs)
+        args = to_device(words, word_start, states, lut, table_id, scale, offset, device)
+        out = torch.empty((1, tokens + 1, dim), dtype=dtype, device=device)
+        decode(*args, out[:, 1:])  # after sink tokens, as the codec writes

@@ -179,7 +179,10 @@ class Client:
         """The model ``name`` (an alias, Hugging Face id or local path; default: the
         embedded one) on this client's device, loaded once."""
         checks.optional_string(name, "model")
-        return self._caches.models.get(name, self.device)
+        loaded = self._caches.models.get(name, self.device)
+        # the decode kernels for its device and dtype (once per process)
+        codec.warm_up(loaded.device, loaded.dtype, loaded.layout.head_dim)
+        return loaded
 
     def resolve(self, source: str | Path, *, model: str | LoadedModel | None = None) -> Manifest:
         """The manifest ``source`` names (``name[@version]``, a document path or its
