@@ -18,7 +18,9 @@ no half folder under the final name. ``kvcdn-model.json``, written last,
 records the source file's sha256 and every file's size and sha256. Before a
 folder is loaded, each file is checked against it: by a full hash the first
 time, later by its stat stamp (size, mtime, ctime, inode; any write to a
-file changes its ctime). A folder that fails is rebuilt, never loaded.
+file changes its ctime), and the folder may hold nothing else (transformers
+would read an added index or weights file). A folder that fails is rebuilt,
+never loaded.
 """
 
 from __future__ import annotations
@@ -132,6 +134,12 @@ def check_folder(folder: Path, source_sha256: str) -> bool:
         stamps = {}
     checked: dict[str, list[int]] = {}
     try:
+        # nothing beside what was written: transformers would read an added index,
+        # weights file or config as readily as the recorded ones
+        present = {p.name for p in folder.iterdir() if not p.name.startswith(".")}
+        if present != {*manifest["files"], MANIFEST}:
+            log.warning("%s holds files it was not made with", folder)
+            return False
         for rel, entry in manifest["files"].items():
             path = folder / rel
             stamp = _stamp(path)

@@ -126,6 +126,13 @@ def test_damaged_folders_are_rebuilt_never_loaded(model, tmp_path):
     assert not model_cache.check_folder(copy, gguf_sha)
     rebuilt = _result(_start(home))
     assert rebuilt["materialise_s"] > 0 and rebuilt["fingerprint"] == model.fingerprint
+
+    # A file added beside the recorded ones (transformers would read an index or a
+    # second weights file): refused as well.
+    (copy / "model.safetensors.index.json").write_text("{}")
+    assert not model_cache.check_folder(copy, gguf_sha)
+    rebuilt = _result(_start(home))
+    assert rebuilt["materialise_s"] > 0 and rebuilt["fingerprint"] == model.fingerprint
     assert model_cache.check_folder(copy, gguf_sha)
 
 
