@@ -43,14 +43,20 @@ def peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 t = time.perf_counter()
-client = sdk.Client(store=store)
-model = client.model()
+if hasattr(sdk, "Client"):
+    client = sdk.Client(store=store)
+    model = client.model()
+    load = lambda: client.load_context(name, quality=quality)
+else:  # a checkout from before sdk.Client, for before/after runs
+    from kvcdn.models import load_model
+    model = load_model(None, "cpu")
+    load = lambda: sdk.load_context(name, store=store, model=model, quality=quality)
 model_s = time.perf_counter() - t
 after_model = peak_mb()
 runs = []
 for _ in range(1 + repeats):
     t = time.perf_counter()
-    ctx = client.load_context(name, quality=quality)
+    ctx = load()
     runs.append({"wall_s": time.perf_counter() - t, "seconds": dict(ctx.plan.seconds),
                  "bytes": ctx.plan.bytes})
     if len(runs) <= repeats:
