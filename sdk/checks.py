@@ -29,6 +29,12 @@ def optional_string(value: Any, name: str) -> str | None:
     return value
 
 
+def flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{name} must be True or False, not {_kind(value)}")
+    return value
+
+
 def source(value: Any, name: str = "source") -> str | Path:
     """A document: ``name[@version]``, a path, or the text itself."""
     if isinstance(value, Path):

@@ -83,8 +83,9 @@ class Client:
     at most ``max_models`` models are kept loaded. With ``warm`` (the
     default), the client prepares in the background what a process's first
     request would otherwise wait for: the decode kernels, and the connection
-    to the store (an error there is raised by the first request, not here). Use it as a context
-    manager, or call :meth:`close`, to release connections and models.
+    to the store (an error there is raised by the first request, not here).
+    Use it as a context manager, or call :meth:`close`, to release
+    connections and models.
 
         with sdk.Client(store="s3://bucket/kv", trust="publishers.trust") as client:
             ctx = client.load_context("sed-manual")
@@ -116,7 +117,7 @@ class Client:
         self._reader: Reader | None = None
         self._reader_lock = threading.Lock()
         self._caches = _Caches(max_models)
-        if warm:
+        if checks.flag(warm, "warm"):
             threading.Thread(target=self._warm_up, name="kvcdn-warm-up", daemon=True).start()
 
     def _warm_up(self) -> None:
