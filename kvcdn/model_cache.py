@@ -255,11 +255,14 @@ def list_cached() -> list[CachedModel]:
         if not folder.is_dir() or not _KEY.match(folder.name):
             continue
         manifest = _read_manifest(folder)
-        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-        complete = manifest is not None and all(
-            (folder / rel).is_file() and (folder / rel).stat().st_size == entry["bytes"]
-            for rel, entry in manifest["files"].items()
-        )
+        try:
+            size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+            complete = manifest is not None and all(
+                (folder / rel).is_file() and (folder / rel).stat().st_size == entry["bytes"]
+                for rel, entry in manifest["files"].items()
+            )
+        except OSError:  # being removed or rebuilt by another process right now
+            continue
         source = (manifest or {}).get("source", {})
         found.append(
             CachedModel(
