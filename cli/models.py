@@ -39,12 +39,16 @@ def models(ctx: click.Context, as_json: bool) -> None:
         out.print(f"no cached model folders in {escape(str(models_dir()))}")
         return
     table = Table(box=None, pad_edge=False)
-    for col in ("folder", "model", "from", "size", "made", "state"):
-        table.add_column(col, justify="right" if col == "size" else "left")
+    # the folder's name is what `kvcdn models rm` takes: never shortened
+    table.add_column("folder", no_wrap=True, min_width=max(len(c.key) for c in cached))
+    table.add_column("model", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("made", no_wrap=True)
+    table.add_column("state", overflow="fold")
     for c in cached:
         table.add_row(
-            escape(c.key), escape(c.name), escape(c.source_file), _mb(c.bytes),
-            c.created_at, "ok" if c.complete else "[red]incomplete[/] (rebuilt on next load)",
+            escape(c.key), escape(c.name), _mb(c.bytes), c.created_at[:10],
+            "ok" if c.complete else "[red]incomplete[/] (rebuilt on next load)",
         )  # fmt: skip
     out.print(table)
     out.print(f"[dim]{escape(str(models_dir()))}[/]")
