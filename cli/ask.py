@@ -352,19 +352,18 @@ def demo(store: str | None, endpoint_url: str | None, device: str | None, as_jso
             f"[green]✓[/] {published.name}@{published.version} {state} to "
             f"{escape(target.url)} ({published.token_count} tokens)"
         )
-        once = [
-            f"{what} {setup[key]:.1f} s"
-            for key, what in (
-                ("materialise_s", "converting the model to a Hugging Face folder"),
-                ("calibrate_s", "calibrating its codec"),
+        line = f"model loaded in {model_s:.1f} s"
+        if setup["materialise_s"]:
+            line += (
+                f", of which {setup['materialise_s']:.1f} s converting it to a Hugging Face "
+                "folder (once on this machine)"
             )
-            if setup[key]
-        ]
-        out.print(
-            f"[dim]model loaded in {model_s:.1f} s"
-            + (f", of which one-off on this machine: {'; '.join(once)}" if once else "")
-            + "[/]\n"
-        )
+        if setup["calibrate_s"]:
+            line += (
+                f"; the publish calibrated the model's codec first, {setup['calibrate_s']:.1f} s "
+                "(once per store)"
+            )
+        out.print(f"[dim]{line}[/]\n")
     result = _ask(
         f"{published.name}@{published.version}", DEMO_QUESTION, "auto", None, True, 48, None,
         client,
