@@ -216,20 +216,32 @@ def _ask_blended(
             deadline_s=deadline_s,
             question=question,
         )
+    return _answered(ctx, question, compare, max_new_tokens, ctx.manifests, ctx.plans,
+                     ready_s=ctx.ready_s, blend_report=ctx.blend)  # fmt: skip
+
+
+def _answered(
+    ctx: sdk.BaseContext,
+    question: str,
+    compare: bool,
+    max_new_tokens: int,
+    manifests: list[Any],
+    plans: list[sdk.LoadPlan],
+    *,
+    ready_s: float,
+    blend_report: Any,
+) -> dict[str, Any]:
+    """Answer from the loaded KV (and, with ``compare``, after a full prefill): the
+    ``--json`` report of ``ask``."""
     answer = ctx.generate(question, max_new_tokens=max_new_tokens)
     prefill = None
     if compare:
         with err.status("answering after a full prefill…"):
             prefill = ctx.answer_with_prefill(question, max_new_tokens=max_new_tokens)
     return reports.asked(
-        question,
-        ctx.manifests,
-        ctx.plans,
-        answer=answer,
-        ready_s=ctx.ready_s,
-        blend_report=ctx.blend,
-        prefill=prefill,
-    )
+        question, manifests, plans, answer=answer, ready_s=ready_s,
+        blend_report=blend_report, prefill=prefill,
+    )  # fmt: skip
 
 
 def _print_prefill(result: dict[str, Any]) -> None:
@@ -255,20 +267,8 @@ def _ask(
     # the model loads inside, off the clock: a one-off cost of the process
     with err.status("loading…"):
         ctx = client.load_context(doc, model=model, quality=quality, deadline_s=deadline_s)
-    answer = ctx.generate(question, max_new_tokens=max_new_tokens)
-    prefill = None
-    if compare:
-        with err.status("answering after a full prefill…"):
-            prefill = ctx.answer_with_prefill(question, max_new_tokens=max_new_tokens)
-    return reports.asked(
-        question,
-        [ctx.manifest],
-        [ctx.plan],
-        answer=answer,
-        ready_s=ctx.plan.ready_s,
-        blend_report=None,
-        prefill=prefill,
-    )
+    return _answered(ctx, question, compare, max_new_tokens, [ctx.manifest], [ctx.plan],
+                     ready_s=ctx.plan.ready_s, blend_report=None)  # fmt: skip
 
 
 def _print_answers(result: dict[str, Any]) -> None:
