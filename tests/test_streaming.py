@@ -130,8 +130,12 @@ def test_an_impossible_deadline_gives_the_best_effort_and_says_so(store, model, 
     plan = ctx.plan
     assert not plan.feasible and plan.ready_s > 0.3
     assert len(plan.chunks) == 12 and all(c.ready_s > 0 for c in plan.chunks)
-    # the fastest plan sends little over a slow link: mostly the lowest level and text
-    assert all(lv in ("lowest", TEXT) for lv in plan.chunk_levels[1:]), plan.chunk_levels
+    # the fastest plan sends little over a slow link: mostly the lowest level and text,
+    # never the top of the ladder (which chunks it fetches at a middle level while the
+    # device recomputes others depends on the device speed measured on this machine)
+    later = plan.chunk_levels[1:]
+    assert sum(lv in ("lowest", TEXT) for lv in later) >= len(later) * 2 // 3, later
+    assert not {"nearlossless", "high"} & set(later), later
 
 
 def test_bad_quality_and_deadline_are_clear_errors(store, model):
