@@ -210,17 +210,49 @@ def find_by_source(
     The source index is a hint anyone who can write to the store could change,
     so the manifest it leads to must itself say it holds these bytes.
     """
-    try:
-        data = store.get(
-            keys.source_index_key(fingerprint, source_sha256), max_bytes=MAX_POINTER_BYTES
-        )
-    except NotFound:
+    key = keys.source_index_key(fingerprint, source_sha256)
+    manifest = _indexed(store, key, "source index entry", trust)
+    if manifest is None:
         return None
-    pointer = open_pointer(data, what="source index entry")
-    manifest = read_manifest(store, pointer.name, pointer.version, trust=trust)
     if manifest.source_sha256 != source_sha256 or manifest.model_fingerprint != fingerprint:
         raise IntegrityError(
             f"the source index points at {manifest.ref}, which was published from other text "
             "or for another model: the index entry was altered"
         )
     return manifest
+
+
+def find_by_prefix(
+    store: Reader, fingerprint: str, first_chunk_hash: str, *, trust: TrustPolicy | None = None
+) -> Manifest | None:
+    """The manifest last published for this model whose first chunk has this chain hash.
+
+    What a serving engine reads to find the document a prompt begins with:
+    one small read per first chunk. The entry is a hint like the source
+    index, so the manifest must start with that very chunk.
+    """
+    key = keys.prefix_index_key(fingerprint, first_chunk_hash)
+    manifest = _indexed(store, key, "prefix index entry", trust)
+    if manifest is None:
+        return None
+    if (
+        manifest.model_fingerprint != fingerprint
+        or not manifest.chunks
+        or manifest.chunks[0].hash != first_chunk_hash
+    ):
+        raise IntegrityError(
+            f"the prefix index points at {manifest.ref}, which starts with another chunk "
+            "or is for another model: the index entry was altered"
+        )
+    return manifest
+
+
+def _indexed(store: Reader, key: str, what: str, trust: TrustPolicy | None) -> Manifest | None:
+    """The manifest an index entry names (None without the entry); the caller checks
+    that it is what the entry was found by."""
+    try:
+        data = store.get(key, max_bytes=MAX_POINTER_BYTES)
+    except NotFound:
+        return None
+    pointer = open_pointer(data, what=what)
+    return read_manifest(store, pointer.name, pointer.version, trust=trust)

@@ -12,6 +12,7 @@ spelling of each kind (specified in ``docs/manifest.md``):
 | ``pointer`` | ``docs/{name}/latest.json`` |
 | ``profile-pointer`` | ``profiles/{fp[:16]}/current.json`` |
 | ``index`` | ``index/sources/{fp[:16]}/{sha256}.json`` |
+| ``prefix-index`` | ``index/prefixes/{fp[:16]}/{h}.json`` (``h``: the first chunk's chain hash) |
 
 Chunk objects and profiles are content-addressed: the key ends in the sha256
 of the bytes, so a key can never hold two different byte strings, and anyone
@@ -126,6 +127,11 @@ def source_index_key(fingerprint: str, source_sha256: str) -> str:
     return f"index/sources/{fingerprint[:16]}/{source_sha256}.json"
 
 
+def prefix_index_key(fingerprint: str, first_chunk_hash: str) -> str:
+    """Where a serving engine finds the document whose first chunk a prompt starts with."""
+    return f"index/prefixes/{fingerprint[:16]}/{first_chunk_hash}.json"
+
+
 def profile_key(fingerprint: str, sha256: str) -> str:
     return f"profiles/{fingerprint[:16]}/{sha256}.safetensors"
 
@@ -142,24 +148,25 @@ def profile_pointer_key(fingerprint: str) -> str:
 class KeyInfo:
     """What a key names. Fields a kind does not have are empty."""
 
-    kind: str  # object, profile, manifest, pointer, profile-pointer, index
+    kind: str  # object, profile, manifest, pointer, profile-pointer, index, prefix-index
     name: str = ""  # manifest, pointer
     version: int = 0  # manifest
-    chunk_hash: str = ""  # object
+    chunk_hash: str = ""  # object, prefix-index (the first chunk's)
     level_id: str = ""  # object
     sha256: str = ""  # object, profile, index (the source's digest)
-    fingerprint16: str = ""  # profile, profile-pointer, index
+    fingerprint16: str = ""  # profile, profile-pointer, index, prefix-index
 
     @property
     def mutable(self) -> bool:
         """Pointers change; everything else is written once."""
-        return self.kind in ("pointer", "profile-pointer", "index")
+        return self.kind in ("pointer", "profile-pointer", "index", "prefix-index")
 
 
 _OBJECT = re.compile(rf"^objects/([0-9a-f]{{2}})/({_HEX64})/({LEVEL_ID_PATTERN})\.({_HEX64})\.kvc$")
 _PROFILE = re.compile(rf"^profiles/({_HEX16})/({_HEX64})\.safetensors$")
 _PROFILE_POINTER = re.compile(rf"^profiles/({_HEX16})/current\.json$")
 _INDEX = re.compile(rf"^index/sources/({_HEX16})/({_HEX64})\.json$")
+_PREFIX_INDEX = re.compile(rf"^index/prefixes/({_HEX16})/({_HEX64})\.json$")
 _MANIFEST = re.compile(r"^docs/([^/]+)/versions/([0-9]{6,12})\.json$")
 _POINTER = re.compile(r"^docs/([^/]+)/latest\.json$")
 
@@ -178,6 +185,8 @@ def parse_key(key: str) -> KeyInfo | None:
         return KeyInfo("profile-pointer", fingerprint16=m.group(1))
     if m := _INDEX.match(key):
         return KeyInfo("index", fingerprint16=m.group(1), sha256=m.group(2))
+    if m := _PREFIX_INDEX.match(key):
+        return KeyInfo("prefix-index", fingerprint16=m.group(1), chunk_hash=m.group(2))
     if m := _MANIFEST.match(key):
         name, version = m.group(1), int(m.group(2))
         if _name_problem(name) or unicodedata.normalize("NFC", name) != name:

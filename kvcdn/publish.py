@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import catalog
 from .codec import (
@@ -46,6 +47,7 @@ from .keys import (
     manifest_key,
     name_from_filename,
     object_key,
+    prefix_index_key,
     source_index_key,
 )
 from .kv import DEFAULT_CHUNK_TOKENS, split_chunks
@@ -60,6 +62,9 @@ from .manifest import (
 from .models import LoadedModel, load_model
 from .signing import MANIFEST_TYPE, POINTER_TYPE, SigningKey, TrustPolicy, seal
 from .store import Store, open_store
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +166,13 @@ def publish(
     on_object: Callable[[str], None] | None = None,
     sign_keys: Sequence[SigningKey] = (),
     trust: TrustPolicy | None = None,
+    prefill: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> PublishResult:
     """Publish one document (a file ``path``, or ``text`` with a ``name``).
+
+    ``prefill(ids)`` computes the KV ``[L, 2, H, T, D]`` of the document's
+    tokens when another engine does it (vLLM, :mod:`kvcdn.sdk.vllm`); by
+    default the model's own prefill does.
 
     ``sign_keys`` sign the manifest and the pointer (several keys during a key
     rotation). ``trust`` names other publishers whose versions and profiles
@@ -227,6 +237,7 @@ def publish(
             and _signed_as_asked(previous, sign_keys)
         ):
             _advance_pointer(store, name, previous.version, sign_keys, trust)
+            _write_indexes(store, previous)
             return PublishResult(
                 name=name,
                 version=previous.version,
@@ -262,7 +273,8 @@ def publish(
             if kv is None:
                 t = time.perf_counter()
                 progress("prefill", 0, len(ids))
-                kv = loaded.prefill(ids)
+                kv = (prefill or loaded.prefill)(ids)
+                _check_prefill(kv, loaded, len(ids))
                 progress("prefill", len(ids), len(ids))
                 seconds["prefill"] = time.perf_counter() - t
             t = time.perf_counter()
@@ -317,7 +329,7 @@ def publish(
             "this one tried to publish; run the publish again"
         )
     _advance_pointer(store, name, version, sign_keys, trust)
-    store.put(source_index_key(fingerprint, src_sha), pointer_bytes(name, version))
+    _write_indexes(store, manifest)
     seconds["total"] = time.perf_counter() - started
     log.info(
         "published %s@%d: %d chunks, %d objects uploaded", name, version, len(chunks), uploaded
@@ -337,6 +349,26 @@ def publish(
         seconds=seconds,
         signed_by=signed_by,
     )
+
+
+def _write_indexes(store: Store, manifest: Manifest) -> None:
+    """The hints that find a version from its text, and from its first chunk's tokens."""
+    entry = pointer_bytes(manifest.name, manifest.version)
+    fingerprint = manifest.model_fingerprint
+    store.put(source_index_key(fingerprint, manifest.source_sha256), entry)
+    if manifest.chunks and manifest.chunks[0].end == manifest.chunk_tokens:
+        store.put(prefix_index_key(fingerprint, manifest.chunks[0].hash), entry)
+
+
+def _check_prefill(kv: torch.Tensor, loaded: LoadedModel, tokens: int) -> None:
+    """An engine's KV must have the model's shape for every token, before it is encoded."""
+    layout = loaded.layout
+    expected = (layout.layers, 2, layout.kv_heads, tokens, layout.head_dim)
+    if tuple(kv.shape) != expected or not kv.dtype.is_floating_point:
+        raise FormatError(
+            f"the prefill returned KV of shape {tuple(kv.shape)} ({kv.dtype}); "
+            f"{loaded.name} needs {expected}"
+        )
 
 
 def _manifest(

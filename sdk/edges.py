@@ -60,7 +60,7 @@ class _EdgeFailed(Exception):
 
 _EDGE_URL = re.compile(r"^https?://[^/\s?#]+(/[^\s?#]*)?$")
 #: Keys that say which objects to load; read from the origin by untrusting readers.
-_DOCUMENT_KINDS = ("manifest", "pointer", "index", "profile-pointer")
+_DOCUMENT_KINDS = ("manifest", "pointer", "index", "prefix-index", "profile-pointer")
 
 
 def rendezvous(edges: Sequence[str], key: str) -> list[str]:

@@ -136,7 +136,9 @@ def test_trust_files_are_read_or_refused_with_a_line_number(tmp_path_factory, te
         assert "trust file" in str(exc) or "line" in str(exc)
 
 
-@pytest.mark.parametrize("kind", ["object", "profile", "manifest", "pointer", "index"])
+@pytest.mark.parametrize(
+    "kind", ["object", "profile", "manifest", "pointer", "index", "prefix-index"]
+)
 @FUZZ
 @given(data=st.binary(max_size=600))
 def test_edge_verification_of_random_bytes(kind, data):
@@ -148,6 +150,7 @@ def test_edge_verification_of_random_bytes(kind, data):
         "manifest": keys.manifest_key("doc", 1),
         "pointer": keys.latest_key("doc"),
         "index": keys.source_index_key("c" * 64, "e" * 64),
+        "prefix-index": keys.prefix_index_key("c" * 64, "e" * 64),
     }[kind]
     info = keys.parse_key(key)
     for trust in (None, TRUST):
