@@ -24,6 +24,7 @@ def models(ctx: click.Context, as_json: bool) -> None:
 
     \b
       kvcdn models                       # what is cached, and where
+      kvcdn models path smollm2-135m     # the folder to give vLLM (made if missing)
       kvcdn models rm smollm2-135m-1a2b3c4d5e6f7a8b
       kvcdn models rm --all
     """
@@ -73,3 +74,14 @@ def models_rm(keys: tuple[str, ...], everything: bool, as_json: bool) -> None:
         out.print(f"[green]✓[/] removed {escape(c.key)} ({_mb(c.bytes)})")
     if not removed:
         out.print("nothing to remove")
+
+
+@models.command("path")
+@click.argument("model", required=False)
+def models_path(model: str | None) -> None:
+    """Print the Hugging Face folder of MODEL (default: the embedded one), making it
+    first for a GGUF model: what to give an engine that loads folders, as in
+    `vllm serve $(kvcdn models path smollm2-135m)` (docs/vllm.md)."""
+    from kvcdn.models import model_folder
+
+    click.echo(model_folder(model))

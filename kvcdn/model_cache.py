@@ -117,6 +117,20 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def source_of(folder: Path) -> tuple[str, str] | None:
+    """(model name, source sha256) when ``folder`` is one kvcdn materialised and its
+    files are still the ones it wrote."""
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        return None
+    name, sha256 = manifest.get("name"), manifest["source"].get("sha256")
+    if not isinstance(name, str) or not isinstance(sha256, str):
+        return None
+    if not check_folder(folder, sha256):
+        return None
+    return name, sha256
+
+
 def check_folder(folder: Path, source_sha256: str) -> bool:
     """Whether ``folder`` is a complete materialisation of the source with this sha256.
 

@@ -54,6 +54,20 @@ _QUESTION = "@@KVCDN_QUESTION@@"
 _USER_TEMPLATE = f"{_DOC}\n\nAnswer using the document above.\nQuestion: {_QUESTION}"
 
 
+def user_message(document: str, question: str, *, documents: int = 1) -> dict[str, str]:
+    """The chat message that asks ``question`` about ``document`` the way kvcdn frames
+    it: a serving engine that applies the model's chat template to
+    ``[user_message(...)]`` gets a prompt that begins with the document's published
+    tokens (docs/vllm.md). ``document``: the text as published (several documents
+    read together: joined as :meth:`LoadedModel.separator_ids` says)."""
+    template = _USER_TEMPLATE
+    if documents > 1:
+        template = template.replace("the document above", "the documents above")
+    before, after = template.split(_DOC)  # the document's text is never searched
+    content = before + document + after.replace(_QUESTION, question)
+    return {"role": "user", "content": content}
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model's files are: a folder and, for GGUF, the file inside it."""
@@ -113,6 +127,105 @@ def best_device(requested: str | None = None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _layout(config: Any, dtype: str) -> KVLayout:
+    heads = config.num_attention_heads
+    return KVLayout(
+        layers=config.num_hidden_layers,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        dtype=dtype,
+    )
+
+
+def _context_window(config: Any) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 2048)
+
+
+def _check_fits(name: str, context_window: int, n_tokens: int) -> None:
+    limit = context_window - QUESTION_RESERVE_TOKENS
+    if n_tokens > limit:
+        from .errors import DocumentTooLong
+
+        raise DocumentTooLong(
+            f"the document is {n_tokens} tokens; {name} has a context window of "
+            f"{context_window} tokens, of which {limit} can hold a document "
+            f"({QUESTION_RESERVE_TOKENS} are kept for the question and answer)"
+        )
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """A model as kvcdn knows it without its weights in memory: what a serving
+    engine (which holds the weights itself) checks published KV against."""
+
+    name: str
+    fingerprint: str
+    layout: KVLayout
+    vocab_size: int
+    context_window: int
+    folder: str  # the Hugging Face folder (or hub id) an engine loads
+
+    def check_fits(self, n_tokens: int) -> None:
+        _check_fits(self.name, self.context_window, n_tokens)
+
+
+def model_folder(name: str | None) -> str:
+    """The Hugging Face folder (or hub id) of the model ``name``: for a GGUF model,
+    its materialised folder (:mod:`kvcdn.model_cache`), made now if missing. What
+    to give an engine that needs a folder, such as vLLM."""
+    source = resolve_model(name)
+    return _folder_of(source)
+
+
+def _folder_of(source: ModelSource) -> str:
+    if source.gguf_file:
+        return str(_materialised(source)[0])
+    return source.directory
+
+
+def _source_of_folder(source: ModelSource) -> ModelSource:
+    """A folder kvcdn materialised from a GGUF model stands for that model: KV
+    published for ``smollm2-135m`` loads into an engine given its folder."""
+    from . import model_cache
+
+    recorded = model_cache.source_of(Path(source.directory))
+    if recorded is None:
+        return source
+    name, sha256 = recorded
+    try:
+        original = resolve_model(name)
+    except ModelError:
+        return source
+    if original.gguf_file and _file_sha256(Path(original.directory) / original.gguf_file) == sha256:
+        return original
+    return source
+
+
+def model_identity(name: str | None) -> ModelIdentity:
+    """The identity of the model ``name`` (an alias, a Hugging Face id or a local
+    path, a folder kvcdn materialised included), from its config, tokenizer and
+    weight files: the fingerprint :class:`LoadedModel` computes, without loading
+    the weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = _source_of_folder(resolve_model(name))
+    folder = _folder_of(source)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read model '{source.name}' from {folder}: {exc}") from None
+    dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    return ModelIdentity(
+        name=source.name,
+        fingerprint=_fingerprint_of(config, tokenizer, source),
+        layout=_layout(config, dtype),
+        vocab_size=int(config.vocab_size),
+        context_window=_context_window(config),
+        folder=folder,
+    )
+
+
 class LoadedModel:
     """A loaded causal LM with what kvcdn needs around it."""
 
@@ -123,14 +236,8 @@ class LoadedModel:
         self.tokenizer = tokenizer
         self.device = device
         config = model.config
-        heads = config.num_attention_heads
-        self.layout = KVLayout(
-            layers=config.num_hidden_layers,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-        )
-        self.context_window = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        self.layout = _layout(config, str(next(model.parameters()).dtype).removeprefix("torch."))
+        self.context_window = _context_window(config)
         self._prefix, self._question_template = self._framing()
         self._fingerprint: str | None = None
         #: Seconds this load spent materialising a GGUF into a Hugging Face folder
@@ -197,15 +304,7 @@ class LoadedModel:
         return list(self.tokenizer(separator, add_special_tokens=False).input_ids)
 
     def check_fits(self, n_tokens: int) -> None:
-        limit = self.context_window - QUESTION_RESERVE_TOKENS
-        if n_tokens > limit:
-            from .errors import DocumentTooLong
-
-            raise DocumentTooLong(
-                f"the document is {n_tokens} tokens; {self.name} has a context window of "
-                f"{self.context_window} tokens, of which {limit} can hold a document "
-                f"({QUESTION_RESERVE_TOKENS} are kept for the question and answer)"
-            )
+        _check_fits(self.name, self.context_window, n_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -507,17 +606,20 @@ _VOLATILE_CONFIG_KEYS = {
 
 
 def _fingerprint(loaded: LoadedModel) -> str:
+    return _fingerprint_of(loaded.model.config, loaded.tokenizer, loaded.source)
+
+
+def _fingerprint_of(model_config: Any, tok: Any, source: ModelSource) -> str:
     config = {
         k: v
-        for k, v in loaded.model.config.to_dict().items()
+        for k, v in model_config.to_dict().items()
         if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
     }
-    if loaded.source.gguf_file:
+    if source.gguf_file:
         # transformers' GGUF loader leaves ``architectures`` unset; the folder
         # materialised from it names the class (vLLM needs it). Fingerprints,
         # published in manifests, stay those of the GGUF load.
         config["architectures"] = None
-    tok = loaded.tokenizer
     tok_digest = hashlib.sha256()
     tok_digest.update(json.dumps(sorted(tok.get_vocab().items())).encode())
     tok_digest.update(json.dumps(tok.special_tokens_map, sort_keys=True, default=str).encode())
@@ -525,7 +627,7 @@ def _fingerprint(loaded: LoadedModel) -> str:
     parts = {
         "config": config,
         "tokenizer": tok_digest.hexdigest(),
-        "weights": weights_digest(loaded.source),
+        "weights": weights_digest(source),
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()

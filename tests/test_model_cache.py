@@ -96,6 +96,30 @@ def test_the_folder_gives_the_logits_and_fingerprint_of_the_gguf(model, sed_text
     assert torch.equal(got, want)
 
 
+def test_identity_without_weights_is_the_loaded_models(model, tmp_path):
+    """What a serving engine checks KV against, from config, tokenizer and weight files,
+    named by the alias or by the materialised folder (as vLLM is given it)."""
+    from kvcdn.models import model_folder, model_identity
+
+    folder = model_folder("smollm2-135m")
+    done = CliRunner().invoke(cli, ["models", "path", "smollm2-135m"])
+    assert done.exit_code == 0 and done.stdout.strip() == folder
+    for name in ("smollm2-135m", folder):
+        identity = model_identity(name)
+        assert identity.name == "smollm2-135m"
+        assert identity.fingerprint == model.fingerprint
+        assert identity.layout.layers == model.layout.layers
+        assert (identity.layout.kv_heads, identity.layout.head_dim) == (3, 64)
+        assert identity.vocab_size == model.vocab_size
+        assert identity.context_window == model.context_window
+    # a copy of the folder that differs is another model, not the embedded one
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    with open(copy / "config.json", "a") as f:
+        f.write("\n")
+    assert model_identity(str(copy)).fingerprint != model.fingerprint
+
+
 def test_damaged_folders_are_rebuilt_never_loaded(model, tmp_path):
     folder = _session_folder(model)
     gguf_sha = _file_sha256(Path(model.source.directory) / model.source.gguf_file)
