@@ -60,6 +60,24 @@ class DeviceSpeed:
         return tokens * (self.s_per_token + self.s_per_token_context * (context + tokens / 2))
 
 
+#: Decode cost assumed where a device was never measured (an engine's load, which
+#: has no model here to measure with); a load corrects it by its own decodes.
+ASSUMED_DECODE_S_PER_TOKEN = 4e-5
+
+
+def assumed_speed(manifest: Manifest) -> DeviceSpeed:
+    """A device's speed before any measurement, for loads that never recompute."""
+    return DeviceSpeed(
+        s_per_token=0.0,
+        s_per_token_context=0.0,
+        decode_s_per_token={
+            lv.id: ASSUMED_DECODE_S_PER_TOKEN
+            for name, lv in manifest.levels.items()
+            if name != TEXT_LEVEL
+        },
+    )
+
+
 def cache_path() -> Path:
     return Path(os.environ.get("KVCDN_SPEED_CACHE") or paths.cache_dir() / "device-speed.json")
 

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from kvcdn import catalog
 from kvcdn.codec import RANS_CODEC, TEXT_LEVEL
+from kvcdn.codec_profile import CodecProfile
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, NotFound
 from kvcdn.keys import NAME_PATTERN
 from kvcdn.kv import split_chunks
 from kvcdn.manifest import Manifest
-from kvcdn.models import LoadedModel
+from kvcdn.models import LoadedModel, ModelIdentity
 from kvcdn.profile_store import ProfileCache, load_profile
 from kvcdn.publish import document_text, is_document_path, read_document, source_digest
 from kvcdn.signing import TrustPolicy
@@ -27,10 +28,10 @@ from kvcdn.store import Cancel, Check, Fetched, Reader, Store, open_store
 
 from . import checks
 from .context import LoadPlan
-from .devspeed import DeviceSpeeds
+from .devspeed import DeviceSpeeds, assumed_speed
 from .edges import EdgeStore
 from .planner import Policy, ThroughputPredictor
-from .streaming import ChunkReport, Pipeline
+from .streaming import ChunkReport, Pipeline, PipelineResult
 from .targets import KVTarget
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ def resolve_manifest(
     return found, loaded, model_s
 
 
-def check_against_model(manifest: Manifest, loaded: LoadedModel) -> None:
+def check_against_model(manifest: Manifest, loaded: LoadedModel | ModelIdentity) -> None:
     """Refuse KV that this model cannot hold, before anything is allocated for it:
     another model's, a layout that differs from the model's, more tokens than its
     context window, token ids outside its vocabulary, chunk hashes that do not
@@ -252,6 +253,22 @@ def quality_scores(manifest: Manifest) -> dict[str, float]:
     return scores
 
 
+def _profile(
+    manifest: Manifest, levels: list[str], reader: Reader, profiles: ProfileCache,
+    fingerprint: str,
+) -> CodecProfile | None:
+    """The codec profile the ladder levels among ``levels`` decode with, if any."""
+    if manifest.codec_profile is None or not any(
+        manifest.levels[lv].codec == RANS_CODEC for lv in levels
+    ):
+        return None
+    profile = load_profile(
+        reader, manifest.codec_profile, placement=manifest.chain_hash, cache=profiles
+    )
+    profile.check_model(fingerprint, f"the codec profile of {manifest.name}")
+    return profile
+
+
 def load_into(
     target: KVTarget,
     manifest: Manifest,
@@ -278,14 +295,7 @@ def load_into(
     if not levels:
         return _recompute_into(target, manifest, loaded, reader, started, seconds, deadline_s)
     t = time.perf_counter()
-    profile = None
-    if manifest.codec_profile is not None and any(
-        manifest.levels[lv].codec == RANS_CODEC for lv in levels
-    ):
-        profile = load_profile(
-            reader, manifest.codec_profile, placement=manifest.chain_hash, cache=profiles
-        )
-        profile.check_model(loaded.fingerprint, f"the codec profile of {manifest.name}")
+    profile = _profile(manifest, levels, reader, profiles, loaded.fingerprint)
     speed, measured_s = speeds.get(loaded, manifest, profile)
     if measured_s:  # once per device and model, like loading the model: not on the clock
         started += measured_s
@@ -372,3 +382,65 @@ def _recompute_into(
         deadline_s=deadline_s,
         ready_s=ready_s,
     )
+
+
+def load_prefix_into(
+    target: KVTarget,
+    manifest: Manifest,
+    model: ModelIdentity,
+    reader: Reader,
+    *,
+    chunks: tuple[int, int],
+    quality: str,
+    device: str,
+    predictor: ThroughputPredictor,
+    policy: Policy,
+    profiles: ProfileCache,
+    deadline_s: float | None = None,
+) -> PipelineResult:
+    """An engine's load: the longest run of ``manifest``'s chunks ``[first, end)``
+    (``chunks``) that arrives, verifies and decodes into ``target``, by
+    ``deadline_s`` when given. What is not loaded is left to the engine, which
+    computes it.
+
+    The manifest is checked against ``model`` first; a chunk that fails ends the
+    prefix (nothing after it is written) instead of failing the load. With
+    ``quality="auto"`` and a deadline, each chunk's level is planned to arrive
+    in time, from the link's throughput as measured while it loads.
+    """
+    check_against_model(manifest, model)
+    levels = check_quality(manifest, quality)
+    if not levels:
+        raise InputError("an engine loads stored levels; 'text' is the engine's own prefill")
+    started = time.perf_counter()
+    profile = _profile(manifest, levels, reader, profiles, model.fingerprint)
+    deadline_at = None
+    if deadline_s is not None:
+        deadline_at = started + deadline_s * (1 - DEADLINE_MARGIN)
+    pipeline = Pipeline(
+        manifest,
+        None,
+        target,
+        reader=reader,
+        profile=profile,
+        speed=assumed_speed(manifest),
+        predictor=predictor,
+        policy=policy,
+        levels=levels,
+        allow_text=False,
+        quality_of=quality_scores(manifest),
+        deadline_at=deadline_at if quality == AUTO else None,
+        concurrency=4,
+        chunk_range=chunks,
+        partial=True,
+        give_up_at=None if deadline_s is None else started + deadline_s,
+        device=device,
+    )
+    result = pipeline.run()
+    log.info(
+        "loaded %d of %d chunks of %s into the engine (%s) in %.3f s",
+        result.loaded_chunks, chunks[1] - chunks[0], manifest.ref,
+        ", ".join(f"{n}×{lv}" for lv, n in Counter(c.level for c in result.chunks).items()),
+        time.perf_counter() - started,
+    )  # fmt: skip
+    return result

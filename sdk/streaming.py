@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: A chunk a partial load gave up (a failure, or the give-up time): it and every
+#: later chunk are left for the engine to compute.
+SKIPPED = "skipped"
 TICK_S = 0.02  # how often the controller looks at the link when nothing else happens
 SAMPLE_BYTES = 256 << 10  # a throughput sample spans at least this many bytes ...
 SAMPLE_MAX_S = 0.5  # ... or this long (nothing arriving for this long is a stall)
@@ -56,7 +59,7 @@ class ChunkReport:
 
     index: int
     tokens: int
-    level: str  # the level it was decoded from, or "text" (recomputed)
+    level: str  # the level it was decoded from, "text" (recomputed), or "skipped"
     source: str  # an edge URL, "origin", the store's URL, or "text"
     bytes: int
     start_s: float  # its (last) fetch or its recompute began
@@ -72,6 +75,7 @@ class PipelineResult:
     feasible: bool  # the first plan expected to meet the deadline
     replans: int
     cancelled: int
+    loaded_chunks: int  # the first loaded_chunks chunks of the range are in the target
 
 
 class _State(Enum):
@@ -80,6 +84,7 @@ class _State(Enum):
     FETCHED = "fetched"
     DEVICE = "device"
     DONE = "done"
+    SKIPPED = "skipped"  # a partial load gave it up
 
 
 @dataclass
@@ -179,7 +184,7 @@ class Pipeline:
     def __init__(
         self,
         manifest: Manifest,
-        loaded: LoadedModel,
+        loaded: LoadedModel | None,
         target: KVTarget,
         *,
         reader: Reader,
@@ -193,9 +198,21 @@ class Pipeline:
         deadline_at: float | None,
         concurrency: int = 2,
         cancel_late_fetches: bool = True,
+        chunk_range: tuple[int, int] | None = None,
+        partial: bool = False,
+        give_up_at: float | None = None,
+        device: str | None = None,
     ) -> None:
+        """``chunk_range``: load only chunks ``[first, end)``. ``partial``: a chunk that
+        fails (its fetch from every source, its check or its decode) or is not in
+        the target by ``give_up_at`` is skipped with every chunk after it, instead
+        of failing the load: an engine that computes what is missing loads the
+        longest prefix it can get in time. Without ``loaded`` (an engine's load,
+        which the engine completes) nothing is recomputed here, and ``device``
+        says where to decode."""
         self.manifest = manifest
         self.loaded = loaded
+        self.device = device or (loaded.device if loaded is not None else "cpu")
         self.target = target
         self.reader = reader
         self.placement = manifest.chain_hash  # a document's objects are served together
@@ -209,7 +226,10 @@ class Pipeline:
         self.deadline_at = deadline_at
         self.concurrency = max(1, concurrency)
         self.cancel_late_fetches = cancel_late_fetches and deadline_at is not None
-        self.chunks = [_Chunk(c) for c in manifest.chunks]
+        first, end = chunk_range or (0, len(manifest.chunks))
+        self.chunks = [_Chunk(c) for c in manifest.chunks[first:end]]
+        self.partial = partial
+        self.give_up_at = give_up_at
         self.meter = _LinkMeter(predictor)
         self.events: queue.Queue[_Event] = queue.Queue()
         # device costs as measured, corrected by what this load's device work takes
@@ -312,6 +332,12 @@ class Pipeline:
             device.shutdown(wait=True, cancel_futures=True)
         reports = []
         for c in self.chunks:
+            if c.state is _State.SKIPPED:
+                reports.append(
+                    ChunkReport(c.entry.index, c.entry.end - c.entry.start, SKIPPED, "", 0,
+                                c.start_s, 0.0, 0.0, c.abandoned)  # fmt: skip
+                )
+                continue
             assert c.option is not None
             reports.append(
                 ChunkReport(
@@ -326,15 +352,27 @@ class Pipeline:
                     abandoned=c.abandoned,
                 )
             )
+        loaded = next(
+            (i for i, c in enumerate(self.chunks) if c.state is not _State.DONE), len(self.chunks)
+        )
         return PipelineResult(
-            reports, first.predicted_s, first.feasible, self.replans, self.cancelled
+            reports, first.predicted_s, first.feasible, self.replans, self.cancelled, loaded
         )
 
     def _loop(self, fetchers: ThreadPoolExecutor, device: ThreadPoolExecutor) -> None:
         device_busy = False
         last_cancel = 0.0
-        while any(c.state is not _State.DONE for c in self.chunks):
+        while any(c.state not in (_State.DONE, _State.SKIPPED) for c in self.chunks):
             now = time.perf_counter()
+            if self.give_up_at is not None and now > self.give_up_at:
+                late = [c for c in self.chunks if c.state not in (_State.DONE, _State.DEVICE,
+                                                                  _State.SKIPPED)]  # fmt: skip
+                if late:  # a chunk being written is let finish
+                    log.info("chunks %d..%d of %s: not loaded by the give-up time; left to "
+                             "the engine", late[0].entry.index, self.chunks[-1].entry.index,
+                             self.manifest.ref)  # fmt: skip
+                    self._skip_from(late[0].entry.index)
+                    continue
             # launch fetches, in document order
             fetching = sum(1 for c in self.chunks if c.state is _State.FETCHING)
             for c in self.chunks:
@@ -360,7 +398,17 @@ class Pipeline:
                 continue
             chunk = event.chunk
             if isinstance(event, _Failed):
-                raise event.error
+                if not self.partial:
+                    raise event.error
+                log.warning(
+                    "chunk %d of %s: %s; it and the chunks after it are left to the engine",
+                    chunk.entry.index, self.manifest.ref, event.error,
+                )  # fmt: skip
+                if chunk.state is _State.DEVICE:
+                    device_busy = False
+                    self._device_task = None
+                self._skip_from(chunk.entry.index, failed=chunk)
+                continue
             if isinstance(event, _Fetched):
                 if event.attempt != chunk.attempt:
                     continue  # from a fetch abandoned earlier
@@ -378,6 +426,17 @@ class Pipeline:
                 chunk.ready_s = now - self._t0
                 self._device_task = None
                 self._plan(now)
+
+    def _skip_from(self, index: int, failed: _Chunk | None = None) -> None:
+        """Give up chunk ``index`` and every later one, but those being written
+        (their decode ends, and is not counted): ``failed`` is the one that failed."""
+        for c in self.chunks[index:]:
+            if c.state is _State.DEVICE and c is not failed:
+                continue
+            c.cancel.set()
+            c.attempt += 1  # news from its fetch is ignored
+            c.state = _State.SKIPPED
+            c.data = b""
 
     def _start_fetch(self, c: _Chunk, pool: ThreadPoolExecutor, now: float) -> None:
         assert c.planned is not None
@@ -430,7 +489,9 @@ class Pipeline:
             self._device_task = (now, ready.option.device_s)
             pool.submit(self._device_work, ready, self._decode)
             return True
-        first = next((c for c in self.chunks if c.state is not _State.DONE), None)
+        first = next(
+            (c for c in self.chunks if c.state not in (_State.DONE, _State.SKIPPED)), None
+        )
         if (
             first is not None
             and first.state is _State.PENDING
@@ -450,10 +511,10 @@ class Pipeline:
         started = time.perf_counter()
         try:
             work(c)
-            if self.loaded.device.startswith("cuda"):
+            if self.device.startswith("cuda"):
                 import torch
 
-                torch.cuda.synchronize(torch.device(self.loaded.device))
+                torch.cuda.synchronize(torch.device(self.device))
         except BaseException as exc:
             self.events.put(_Failed(c, exc))
             return
@@ -465,18 +526,22 @@ class Pipeline:
         header, _ = decode_chunk(
             c.data,
             name=f"object {ref.key}",
-            device=self.loaded.device,
+            device=self.device,
             profile=self.profile,
             out=self.target.chunk(c.entry.start, c.entry.end),
             verified=True,  # checked against the manifest's sha256 when it arrived
         )
         if header.chunk_hash != c.entry.hash:
             raise FormatError(f"object {ref.key} holds another chunk than its manifest says")
+        self.target.commit(c.entry.start, c.entry.end)
 
     def _recompute(self, c: _Chunk) -> None:
         start, end = c.entry.start, c.entry.end
         out = self.target.chunk(start, end)
+        if self.loaded is None:
+            raise FormatError(f"chunk {c.entry.index} has no stored level to load")
         out.copy_(self.loaded.extend(self.target.prefix(start), c.entry.tokens))
+        self.target.commit(start, end)
 
     def _learn_device(self, c: _Chunk, seconds: float) -> None:
         """Correct the measured device speed by what this load sees (contention, clocks)."""

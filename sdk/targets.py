@@ -33,6 +33,11 @@ class KVTarget(Protocol):
         chunk at ``end`` attends to)."""
         ...
 
+    def commit(self, start: int, end: int) -> None:
+        """Tokens ``[start, end)`` of :meth:`chunk` hold their verified KV now (a
+        target that stages chunks writes them to where they belong)."""
+        ...
+
 
 class TensorTarget:
     """A document's KV in one tensor ``[L, 2, H, T, D]`` on the model's device, in its
@@ -54,6 +59,9 @@ class TensorTarget:
 
     def prefix(self, end: int) -> torch.Tensor:
         return self.kv[:, :, :, :end]
+
+    def commit(self, start: int, end: int) -> None:
+        pass  # chunks are decoded in place
 
 
 class CacheTarget(TensorTarget):
