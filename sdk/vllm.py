@@ -1,0 +1,807 @@
+"""kvcdn inside vLLM: a KV connector that loads published documents into vLLM's paged
+KV cache, and captures vLLM's prefill for publishing.
+
+Configure it with vLLM's ``--kv-transfer-config`` (docs/vllm.md)::
+
+    {"kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn.sdk.vllm",
+     "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"store": "s3://bucket/kv", "edges": ["http://edge:8080"]}}
+
+How a request meets kvcdn. The scheduler (vLLM's engine-core process) hashes
+the prompt's first ``chunk_tokens`` tokens as kvcdn chains chunk hashes, and
+looks that hash up once in the store's prefix index (one small read, cached;
+the request waits for it at most ``lookup_timeout_s``). A manifest found is
+checked against the served model like every load; the tokens the prompt
+shares with the document, less at least one and rounded down to vLLM's block
+size, are claimed as an asynchronous load. The worker (vLLM's model process)
+fetches those chunks through the SDK's loader (edges with failover, every
+object verified against its manifest before it is decoded), decodes them
+into a staging tensor and writes them into the blocks vLLM allocated with
+vLLM's own cache-write op for its layout. A chunk that fails, or that is not
+in by ``deadline_s``, ends the load: its blocks and all after it are reported
+to vLLM as failed, and vLLM recomputes them (``kv_load_failure_policy``
+``recompute``). Nothing unverified is written, so nothing wrong enters vLLM's
+prefix cache. kvcdn never makes the engine fail: anything unexpected in the
+connector is logged and the request is computed by vLLM.
+
+Producer (``kv_producer``/``kv_both``): a request whose ``kv_transfer_params``
+hold ``{"kvcdn_capture": ID}`` has its prompt's KV copied out of vLLM's blocks
+when its prefill completes, to ``{capture_dir}/{ID}.safetensors``;
+:class:`VllmPrefill` drives this for ``kvcdn publish --engine vllm``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcdn.errors import KvcdnError
+from kvcdn.kernels.paged import gather_token_major, scatter_token_major
+from kvcdn.kv import DEFAULT_CHUNK_TOKENS, chain_hash
+from kvcdn.manifest import Manifest
+from kvcdn.models import ModelIdentity, model_identity
+from kvcdn.profile_store import ProfileCache
+from kvcdn.signing import TrustPolicy
+
+from . import checks
+from .loader import AUTO, load_prefix_into, open_reader
+from .planner import HarmonicPredictor, plan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+#: ``kv_transfer_params`` key of a request whose prompt KV is to be captured.
+CAPTURE_PARAM = "kvcdn_capture"
+#: ``kv_transfer_params`` key that, set to false, keeps kvcdn out of one request.
+LOAD_PARAM = "kvcdn_load"
+#: ``kv_transfer_params`` key: the quality (a level, or auto) one request loads at.
+QUALITY_PARAM = "kvcdn_quality"
+#: ``kv_transfer_params`` key: one request's load deadline in seconds.
+DEADLINE_PARAM = "kvcdn_deadline_s"
+_CAPTURE_ID = re.compile(r"^[0-9a-f]{32}$")
+MAX_LOOKUPS = 4096
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config``, checked once."""
+
+    store: str | None = None  # where manifests and objects are (a folder, s3://...)
+    endpoint_url: str | None = None  # an S3 endpoint other than AWS's
+    edges: list[str] | None = None  # edge caches to read objects through, in front of store
+    edge_token: str | None = None
+    trust: str | None = None  # a trust file: manifests must be signed by its keys
+    model: str | None = None  # the kvcdn model name (default: the model vLLM serves)
+    quality: str = AUTO  # a level, or auto
+    deadline_s: float | None = None  # a load not in by then is left to vLLM's prefill
+    lookup_timeout_s: float = 2.0  # a request waits this long for a document lookup
+    lookup_ttl_s: float = 30.0  # a lookup's answer (found or not) is reused this long
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the chunk size documents were published with
+    capture_dir: str | None = None  # producer: where captured prompt KV is written
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise KvcdnError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        config = cls(**extra)
+        checks.optional_string(config.store, "store")
+        checks.optional_string(config.endpoint_url, "endpoint_url")
+        checks.optional_string(config.edge_token, "edge_token")
+        checks.optional_string(config.trust, "trust")
+        checks.optional_string(config.model, "model")
+        checks.optional_string(config.capture_dir, "capture_dir")
+        if config.edges is not None and (
+            not isinstance(config.edges, list) or not all(isinstance(e, str) for e in config.edges)
+        ):
+            raise KvcdnError("edges must be a list of edge URLs")
+        if not isinstance(config.quality, str) or not config.quality:
+            raise KvcdnError("quality must be a level name or 'auto'")
+        for key in ("deadline_s", "lookup_timeout_s", "lookup_ttl_s"):
+            value = getattr(config, key)
+            if value is not None and not _seconds(value, zero=key == "lookup_ttl_s"):
+                raise KvcdnError(f"{key} must be a positive number of seconds")
+        if type(config.chunk_tokens) is not int or config.chunk_tokens < 16:
+            raise KvcdnError("chunk_tokens must be an integer of at least 16")
+        return config
+
+
+def _seconds(value: Any, *, zero: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return value >= 0 if zero else value > 0
+
+
+# ---- what the scheduler tells the worker -------------------------------------------
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load tokens ``[start, end)`` of ``manifest`` into ``block_ids``' slots."""
+
+    req_id: str
+    manifest: Manifest
+    start: int
+    end: int
+    block_ids: list[int]
+    quality: str
+    deadline_s: float | None
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """Copy the KV of the first ``tokens`` tokens out of ``block_ids`` to ``path``."""
+
+    req_id: str
+    tokens: int
+    block_ids: list[int]
+    path: str
+
+
+@dataclass
+class KvcdnMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    captures: list[CaptureSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Match:
+    manifest: Manifest
+    start: int  # tokens vLLM has already (its own prefix cache)
+    end: int  # tokens kvcdn loads up to
+    quality: str
+    deadline_s: float | None
+
+
+@dataclass
+class _Lookup:
+    """One read of the prefix index (and the manifest it names), shared by requests."""
+
+    future: Future[Manifest | None] = field(default_factory=Future)
+    done_at: float = math.inf
+
+
+@dataclass
+class _Capture:
+    tokens: int
+    path: str
+    block_ids: list[int] = field(default_factory=list)
+
+
+class KvcdnConnector(KVConnectorBase_V1):
+    """vLLM's KV connector for kvcdn (see the module's documentation)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.loads_enabled = bool(transfer.is_kv_consumer)
+        self.captures_enabled = bool(transfer.is_kv_producer)
+        self.identity: ModelIdentity | None = None
+        self.config = ConnectorConfig()
+        self._trust: TrustPolicy | None = None
+        try:
+            self.config = ConnectorConfig.parse(dict(transfer.kv_connector_extra_config or {}))
+            self.identity = model_identity(self.config.model or vllm_config.model_config.model)
+            if self.config.trust:
+                self._trust = TrustPolicy.from_file(self.config.trust)
+            if self.config.chunk_tokens % self.block_size:
+                raise KvcdnError(
+                    f"vLLM's block size {self.block_size} does not divide kvcdn's chunk size "
+                    f"{self.config.chunk_tokens}: set --block-size to a divisor of it"
+                )
+            if self.loads_enabled and transfer.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "kvcdn: kv_load_failure_policy is %r; with 'recompute' vLLM recomputes a "
+                    "chunk kvcdn cannot load instead of failing the request",
+                    transfer.kv_load_failure_policy,
+                )
+        except Exception as exc:  # the engine runs on without kvcdn, and says why
+            log.error("kvcdn connector disabled: %s", exc)
+            self.identity = None
+        self._reader: Any = None
+        self._reader_lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookups: dict[str, _Lookup] = {}  # by the first chunk's chain hash
+            # req_id -> the lookup it waits for, and since when
+            self._asked: dict[str, tuple[_Lookup, float]] = {}
+            self._matches: dict[str, _Match] = {}
+            self._pending_loads: list[LoadSpec] = []
+            self._loading: dict[str, LoadSpec] = {}  # sent to the worker, not finished
+            self._outcomes: dict[str, dict[str, Any]] = {}  # what each load did
+            self._captures: dict[str, _Capture] = {}
+            self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-lookup")
+        else:
+            self._kv_caches: dict[int, torch.Tensor] = {}
+            self._writer: _PagedLayout | None = None
+            self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-load")
+            self._done_lock = threading.Lock()
+            self._done: dict[str, set[int]] = {}  # req_id -> blocks that failed
+            self._failed_now: set[int] = set()
+            self._profiles = ProfileCache()
+            self._predictor = HarmonicPredictor()
+
+    def reader(self) -> Any:
+        with self._reader_lock:
+            if self._reader is None:
+                c = self.config
+                self._reader = open_reader(
+                    c.store, endpoint_url=c.endpoint_url, edges=c.edges,
+                    edge_token=c.edge_token, trust=self._trust,
+                )  # fmt: skip
+            return self._reader
+
+    # ---- scheduler side -------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.identity is None or not self.loads_enabled:
+            return 0, False
+        try:
+            return self._matched(request, num_computed_tokens)
+        except Exception as exc:
+            log.warning("kvcdn: request %s computed by vLLM: %s", request.request_id, exc)
+            return 0, False
+
+    def _matched(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        assert self.identity is not None
+        ids = list(request.prompt_token_ids or [])
+        chunk = self.config.chunk_tokens
+        params = request.kv_transfer_params or {}
+        if len(ids) <= chunk or params.get(LOAD_PARAM) is False:
+            return 0, False
+        if request.request_id in self._outcomes or request.request_id in self._loading:
+            # one load per request: after a load that fell short, vLLM computes the rest
+            # (claiming again would fail the same way, over and over)
+            return 0, False
+        quality = params.get(QUALITY_PARAM, self.config.quality)
+        deadline_s = params.get(DEADLINE_PARAM, self.config.deadline_s)
+        if deadline_s is not None and not _seconds(deadline_s):
+            log.info("kvcdn: request %s: ignoring %s=%r", request.request_id, DEADLINE_PARAM,
+                     deadline_s)  # fmt: skip
+            deadline_s = self.config.deadline_s
+        now = time.monotonic()
+        waited = self._asked.get(request.request_id)
+        if waited is None:
+            lookup = self._lookup_of(chain_hash(self.identity.fingerprint, "", ids[:chunk]), now)
+            waited = self._asked[request.request_id] = (lookup, now)
+        lookup, asked = waited
+        if not lookup.future.done():
+            if now - asked < self.config.lookup_timeout_s:
+                return None, False  # vLLM asks again at its next step
+            log.info("kvcdn: request %s did not wait longer for the document lookup",
+                     request.request_id)  # fmt: skip
+            self._asked.pop(request.request_id, None)
+            return 0, False
+        self._asked.pop(request.request_id, None)
+        try:
+            manifest = lookup.future.result()
+        except Exception as exc:
+            log.warning("kvcdn: document lookup failed: %s", exc)
+            return 0, False
+        if manifest is None:
+            return 0, False
+        if not isinstance(quality, str) or (quality != AUTO and quality not in manifest.levels):
+            log.info("kvcdn: request %s asks for quality %r, which %s does not have",
+                     request.request_id, quality, manifest.ref)  # fmt: skip
+            return 0, False
+        shared = _common_prefix(ids, manifest.token_ids)
+        end = min(shared, len(ids) - 1) // self.block_size * self.block_size
+        if end <= num_computed:
+            return 0, False
+        self._matches[request.request_id] = _Match(manifest, num_computed, end, quality, deadline_s)
+        return end - num_computed, True
+
+    def _lookup_of(self, first_chunk_hash: str, now: float) -> _Lookup:
+        """The lookup of the document starting with this chunk: a recent one, or a new one."""
+        ttl = self.config.lookup_ttl_s
+        lookup = self._lookups.get(first_chunk_hash)
+        if lookup is not None and (not lookup.future.done() or now - lookup.done_at < ttl):
+            return lookup
+        if len(self._lookups) >= MAX_LOOKUPS:
+            self._lookups = {k: v for k, v in self._lookups.items() if not v.future.done()}
+        lookup = _Lookup()
+
+        def run() -> Manifest | None:
+            try:
+                return self._lookup(first_chunk_hash)
+            finally:
+                lookup.done_at = time.monotonic()
+
+        lookup.future = self._lookup_pool.submit(run)
+        self._lookups[first_chunk_hash] = lookup
+        return lookup
+
+    def _lookup(self, first_chunk_hash: str) -> Manifest | None:
+        from kvcdn import catalog
+
+        from .loader import check_against_model
+
+        assert self.identity is not None
+        manifest = catalog.find_by_prefix(
+            self.reader(), self.identity.fingerprint, first_chunk_hash, trust=self._trust
+        )
+        if manifest is None:
+            return None
+        if manifest.chunk_tokens != self.config.chunk_tokens:
+            log.warning("kvcdn: %s has chunks of %d tokens, this connector %d: not loaded",
+                        manifest.ref, manifest.chunk_tokens, self.config.chunk_tokens)  # fmt: skip
+            return None
+        try:
+            check_against_model(manifest, self.identity)
+        except KvcdnError as exc:
+            log.warning("kvcdn: %s is not loaded into %s: %s", manifest.ref, self.identity.name,
+                        exc)  # fmt: skip
+            return None
+        return manifest
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        params = request.kv_transfer_params or {}
+        if self.captures_enabled and self.identity is not None and CAPTURE_PARAM in params:
+            capture = self._capture_of(params[CAPTURE_PARAM], len(request.prompt_token_ids or []))
+            if capture is not None:
+                self._captures.setdefault(req_id, capture)
+        match = self._matches.get(req_id)
+        if match is None or num_external_tokens == 0:
+            return
+        if num_external_tokens != match.end - match.start:
+            self._matches.pop(req_id, None)
+            return
+        self._pending_loads.append(
+            LoadSpec(req_id, match.manifest, match.start, match.end,
+                     list(blocks.get_block_ids()[0]), match.quality,
+                     match.deadline_s)  # fmt: skip
+        )
+
+    def _capture_of(self, capture_id: Any, tokens: int) -> _Capture | None:
+        if self.config.capture_dir is None:
+            log.warning("kvcdn: a capture was asked for but capture_dir is not configured")
+            return None
+        if not isinstance(capture_id, str) or not _CAPTURE_ID.match(capture_id):
+            log.warning("kvcdn: ignoring capture id %r (32 hex digits expected)", capture_id)
+            return None
+        return _Capture(tokens, str(Path(self.config.capture_dir) / f"{capture_id}.safetensors"))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvcdnMetadata(loads=self._pending_loads)
+        self._loading.update((spec.req_id, spec) for spec in self._pending_loads)
+        self._pending_loads = []
+        if not self._captures:
+            return meta
+        for new in scheduler_output.scheduled_new_reqs:
+            capture = self._captures.get(new.req_id)
+            if capture is not None:
+                capture.block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            capture = self._captures.get(req_id)
+            if capture is not None and new_blocks is not None:
+                capture.block_ids.extend(new_blocks[0])
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        for new in scheduler_output.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            capture = self._captures.get(req_id)
+            if capture is not None and computed.get(req_id, 0) + n >= capture.tokens:
+                del self._captures[req_id]  # its prompt's KV is complete after this step
+                meta.captures.append(
+                    CaptureSpec(req_id, capture.tokens, capture.block_ids, capture.path)
+                )
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = connector_output.invalid_block_ids or set()
+        for req_id in connector_output.finished_recving or ():
+            spec = self._loading.pop(req_id, None)
+            if spec is None:
+                continue
+            bs = self.block_size
+            loaded_to = spec.end
+            for index in range(spec.start // bs, -(-spec.end // bs)):
+                if spec.block_ids[index] in failed:
+                    loaded_to = max(spec.start, index * bs)
+                    break
+            self._outcomes[req_id] = {
+                "document": spec.manifest.ref,
+                "quality": spec.quality,
+                "claimed_tokens": spec.end - spec.start,
+                "loaded_tokens": loaded_to - spec.start,
+            }
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """What kvcdn did for the request, in its output's ``kv_transfer_params``."""
+        req_id = request.request_id
+        self._matches.pop(req_id, None)
+        self._asked.pop(req_id, None)
+        self._captures.pop(req_id, None)
+        self._loading.pop(req_id, None)
+        outcome = self._outcomes.pop(req_id, None)
+        return False, ({"kvcdn": outcome} if outcome is not None else None)
+
+    # ---- worker side ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.identity is None:
+            return
+        try:
+            self._writer = _PagedLayout.detect(kv_caches, self.identity, self.block_size)
+        except Exception as exc:
+            log.error("kvcdn connector disabled: %s", exc)
+            self.identity = None
+            return
+        self._kv_caches = self._writer.caches
+        # the decode kernels load now, not on the first request's clock
+        threading.Thread(
+            target=_warm_codec, args=(self._writer.device, self._writer.dtype,
+                                      self.identity.layout.head_dim),
+            name="kvcdn-warm-up", daemon=True,
+        ).start()  # fmt: skip
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcdnMetadata)
+        for spec in meta.loads:
+            if self._writer is None:
+                self._finish(spec.req_id, set(spec.block_ids))
+                continue
+            self._load_pool.submit(self._load, spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        assert self._writer is not None and self.identity is not None
+        loaded_to = spec.start
+        try:
+            chunk = self.config.chunk_tokens
+            first_chunk = spec.start // chunk
+            target = PagedTarget(self._writer, spec)
+            result = load_prefix_into(
+                target,
+                spec.manifest,
+                self.identity,
+                self.reader(),
+                chunks=(first_chunk, -(-spec.end // chunk)),
+                quality=spec.quality,
+                device=self._writer.device,
+                predictor=self._predictor,
+                policy=plan,
+                profiles=self._profiles,
+                deadline_s=spec.deadline_s,
+            )
+            loaded_to = min(spec.end, (first_chunk + result.loaded_chunks) * chunk)
+        except Exception as exc:
+            log.warning("kvcdn: loading %s for request %s failed: %s", spec.manifest.ref,
+                        spec.req_id, exc)  # fmt: skip
+        bs = self.block_size
+        failed = {b for i, b in enumerate(spec.block_ids) if (i + 1) * bs > loaded_to
+                  and i * bs < spec.end}  # fmt: skip
+        if failed:
+            log.info("kvcdn: request %s: %d of %d tokens loaded; vLLM computes the rest",
+                     spec.req_id, loaded_to - spec.start, spec.end - spec.start)  # fmt: skip
+        self._finish(spec.req_id, failed)
+
+    def _finish(self, req_id: str, failed_blocks: set[int]) -> None:
+        with self._done_lock:
+            self._done[req_id] = failed_blocks
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs once all its layers are written
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:  # fmt: skip
+        return  # captures copy whole prompts after the step (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata() or self._writer is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcdnMetadata)
+        for spec in meta.captures:
+            try:
+                _write_capture(self._writer.read(spec.block_ids, spec.tokens), spec.path)
+            except Exception as exc:
+                log.error("kvcdn: capturing request %s failed: %s", spec.req_id, exc)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._done_lock:
+            done, self._done = self._done, {}
+        for blocks in done.values():
+            self._failed_now |= blocks
+        return None, (set(done) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_now = self._failed_now, set()
+        return failed
+
+    def shutdown(self) -> None:
+        pool = getattr(self, "_load_pool", None) or getattr(self, "_lookup_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _warm_codec(device: str, dtype: torch.dtype, dim: int) -> None:
+    from kvcdn import codec
+
+    try:
+        codec.warm_up(device, torch.float32 if device == "cpu" else dtype, dim)
+    except Exception as exc:  # only a first load's speed depends on it
+        log.info("kvcdn: warming the decoder up failed: %s", exc)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+# ---- vLLM's KV memory -------------------------------------------------------------------
+class _PagedLayout:
+    """vLLM's KV cache tensors, one per layer, and how to write and read tokens in them.
+
+    On CPU (``CPU_ATTN``) each layer is ``[blocks, heads, block_size, 2 * head_dim]``
+    whose interior order depends on the CPU's attention kernel (AMX, AVX-512):
+    tokens are written with vLLM's own op, and read back through the permutation
+    that op is observed to apply. On CUDA (FlashAttention's layout) each layer is
+    ``[2, blocks, block_size, heads, head_dim]``: token-major, written and read by
+    indexing (:mod:`kvcdn.kernels.paged`).
+    """
+
+    def __init__(self, caches: dict[int, torch.Tensor], kind: str, block_size: int,
+                 heads: int, head_dim: int) -> None:  # fmt: skip
+        self.caches = caches
+        self.kind = kind
+        self.block_size = block_size
+        self.heads = heads
+        self.head_dim = head_dim
+        first = next(iter(caches.values()))
+        self.dtype = first.dtype
+        self.device = str(first.device)
+        self._isa: str | None = None
+        self._k_perm: torch.Tensor | None = None
+        self._v_perm: torch.Tensor | None = None
+        if kind == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            self._isa = _get_attn_isa(self.dtype, block_size, head_dim)
+
+    @classmethod
+    def detect(cls, kv_caches: dict[str, torch.Tensor], model: ModelIdentity,
+               block_size: int) -> _PagedLayout:  # fmt: skip
+        layout = model.layout
+        caches: dict[int, torch.Tensor] = {}
+        for name, tensor in kv_caches.items():
+            m = re.search(r"layers\.(\d+)\.", name)
+            if m is None:
+                raise KvcdnError(f"unexpected KV cache layer name {name!r}")
+            caches[int(m.group(1))] = tensor
+        if sorted(caches) != list(range(layout.layers)):
+            raise KvcdnError(
+                f"vLLM has KV for layers {sorted(caches)[:4]}..., {model.name} has {layout.layers}"
+            )
+        first = caches[0]
+        if first.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise KvcdnError(f"vLLM's KV cache is {first.dtype}: kvcdn loads float KV only")
+        h, d, bs = layout.kv_heads, layout.head_dim, block_size
+        shape = tuple(first.shape)
+        if first.device.type == "cpu" and len(shape) == 4 and shape[1:] == (h, bs, 2 * d):
+            kind = "cpu"
+        elif len(shape) == 5 and shape[0] == 2 and shape[2:] == (bs, h, d):
+            kind = "flash"
+        else:
+            raise KvcdnError(
+                f"vLLM's KV cache layout {shape} on {first.device.type} is not one kvcdn writes "
+                f"({h} heads x {d}, blocks of {bs})"
+            )
+        return cls(caches, kind, bs, h, d)
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        positions = torch.arange(start, end, dtype=torch.long)
+        return (blocks[positions // bs] * bs + positions % bs).to(self.device)
+
+    def write(self, kv: torch.Tensor, block_ids: list[int], start: int) -> None:
+        """Write ``kv`` (``[L, 2, H, T, D]``, tokens ``start .. start + T``) into the slots
+        of ``block_ids`` (the request's blocks from token 0)."""
+        slots = self._slots(block_ids, start, start + kv.shape[3])
+        for layer, cache in self.caches.items():
+            k = kv[layer, 0].transpose(0, 1).to(self.dtype).contiguous()  # [T, H, D]
+            v = kv[layer, 1].transpose(0, 1).to(self.dtype).contiguous()
+            if self.kind == "cpu":
+                from vllm import _custom_ops as ops
+
+                nb = cache.shape[0]
+                kc, vc = cache.view(nb, self.heads, 2 * self.block_size, self.head_dim).chunk(2, 2)
+                ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, self._isa)
+            else:
+                scatter_token_major(cache[0], k, slots)
+                scatter_token_major(cache[1], v, slots)
+
+    def read(self, block_ids: list[int], tokens: int) -> torch.Tensor:
+        """The KV ``[L, 2, H, tokens, D]`` (float32, on the CPU) of the first ``tokens``
+        tokens held in ``block_ids``."""
+        slots = self._slots(block_ids, 0, tokens)
+        out = torch.empty(
+            (len(self.caches), 2, self.heads, tokens, self.head_dim), dtype=torch.float32
+        )
+        for layer, cache in self.caches.items():
+            if self.kind == "cpu":
+                k, v = self._read_cpu(cache, block_ids, tokens)
+            else:
+                k = gather_token_major(cache[0], slots)
+                v = gather_token_major(cache[1], slots)
+            out[layer, 0] = k.transpose(0, 1).float().cpu()
+            out[layer, 1] = v.transpose(0, 1).float().cpu()
+        return out
+
+    def _read_cpu(self, cache: torch.Tensor, block_ids: list[int], tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """K and V ``[tokens, H, D]`` from CPU blocks, by the inverse of the write op."""
+        if self._k_perm is None:
+            self._k_perm, self._v_perm = self._probe_cpu_order()
+        assert self._v_perm is not None
+        h, d, bs = self.heads, self.head_dim, self.block_size
+        n = -(-tokens // bs)
+        blocks = cache[torch.tensor(block_ids[:n], dtype=torch.long)].view(n, h, 2, bs * d)
+        k = torch.empty((n, h, bs * d), dtype=cache.dtype)
+        v = torch.empty((n, h, bs * d), dtype=cache.dtype)
+        k[:, :, self._k_perm] = blocks[:, :, 0]  # position p holds element perm[p]
+        v[:, :, self._v_perm] = blocks[:, :, 1]
+        k = k.view(n, h, bs, d).permute(0, 2, 1, 3).reshape(n * bs, h, d)[:tokens]
+        v = v.view(n, h, bs, d).permute(0, 2, 1, 3).reshape(n * bs, h, d)[:tokens]
+        return k, v
+
+    def _probe_cpu_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where vLLM's CPU write op puts each element of a block's K and V.
+
+        vLLM has no op that reads its CPU layout back, and the order differs by
+        kernel (AMX packs pairs of tokens, AVX-512 transposes K). Writing each
+        element's own index (in two bf16-exact parts below 256) through the op
+        into a scratch block shows where it goes, once per process.
+        """
+        from vllm import _custom_ops as ops
+
+        h, d, bs = self.heads, self.head_dim, self.block_size
+        scratch = torch.zeros((1, h, bs, 2 * d), dtype=self.dtype)
+        kc, vc = scratch.view(1, h, 2 * bs, d).chunk(2, 2)
+        element = torch.arange(bs * d).view(bs, 1, d).expand(bs, h, d)  # index within a head
+        seen = []
+        for part in (element % 256, element // 256):
+            scratch.zero_()
+            p = part.to(self.dtype).contiguous()
+            ops.cpu_attn_reshape_and_cache(p, p, kc, vc, torch.arange(bs), self._isa)
+            seen.append(scratch.view(h, 2, bs * d).long())
+        where = seen[0] + 256 * seen[1]  # [H, 2, bs * d]: the element at each position
+        k_perm, v_perm = where[0, 0], where[0, 1]
+        expected = torch.arange(bs * d)
+        if not (torch.equal(k_perm.sort().values, expected)
+                and torch.equal(v_perm.sort().values, expected)
+                and torch.equal(where[:, 0], k_perm.expand(h, -1))
+                and torch.equal(where[:, 1], v_perm.expand(h, -1))):  # fmt: skip
+            raise KvcdnError("vLLM's CPU KV layout is not a per-head permutation of tokens")
+        return k_perm, v_perm
+
+
+class PagedTarget:
+    """A :class:`~kvcdn.sdk.KVTarget` over vLLM's blocks: each chunk is decoded into
+    a staging tensor of one chunk and, once decoded from verified bytes, written to
+    the request's blocks (only the tokens the load claimed: vLLM has the others).
+    The loader decodes one chunk at a time, so one chunk is staged at a time."""
+
+    def __init__(self, layout: _PagedLayout, spec: LoadSpec) -> None:
+        self.layout = layout
+        self.spec = spec
+        self.tokens = spec.end
+        # decoded in float32 on the CPU (the codec's exact output), cast when written
+        self.dtype = torch.float32 if layout.device == "cpu" else layout.dtype
+        self._staged: dict[int, torch.Tensor] = {}
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        shape = (len(self.layout.caches), 2, self.layout.heads, end - start, self.layout.head_dim)
+        staged = torch.empty(shape, dtype=self.dtype, device=self.layout.device)
+        self._staged[start] = staged
+        return staged
+
+    def prefix(self, end: int) -> torch.Tensor:
+        raise KvcdnError("an engine's load does not recompute chunks")
+
+    def commit(self, start: int, end: int) -> None:
+        staged = self._staged.pop(start)
+        lo, hi = max(start, self.spec.start), min(end, self.spec.end)
+        if lo < hi:
+            self.layout.write(staged[:, :, :, lo - start : hi - start], self.spec.block_ids, lo)
+
+
+def _write_capture(kv: torch.Tensor, path: str) -> None:
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    save_file({"kv": kv.contiguous()}, tmp)
+    os.replace(tmp, path)
+
+
+# ---- the producer's engine ------------------------------------------------------------
+def producer_config(capture_dir: str, model: str | None = None, *, role: str = "kv_producer",
+                    **extra: Any) -> Any:  # fmt: skip
+    """vLLM's ``KVTransferConfig`` for this connector capturing into ``capture_dir``."""
+    from vllm.config import KVTransferConfig
+
+    config: dict[str, Any] = {"capture_dir": capture_dir, **extra}
+    if model is not None:
+        config["model"] = model
+    return KVTransferConfig(
+        kv_connector="KvcdnConnector", kv_connector_module_path=__name__, kv_role=role,
+        kv_load_failure_policy="recompute", kv_connector_extra_config=config,
+    )  # fmt: skip
+
+
+class VllmPrefill:
+    """vLLM as a publisher's prefill: ``prefill(ids)`` runs a document's tokens
+    through ``llm`` (whose kvcdn connector captures into ``capture_dir``, see
+    :func:`producer_config`) and returns their KV ``[L, 2, H, T, D]`` as float32:
+    what ``kvcdn publish --engine vllm`` encodes and publishes."""
+
+    def __init__(self, llm: Any, capture_dir: str) -> None:
+        self.llm = llm
+        self.capture_dir = Path(capture_dir)
+
+    @classmethod
+    def start(cls, model: str | None, capture_dir: str, *, block_size: int = 256,
+              **engine: Any) -> VllmPrefill:  # fmt: skip
+        """A vLLM engine for ``model`` (a kvcdn model name) with a capturing connector."""
+        from vllm import LLM
+
+        identity = model_identity(model)
+        llm = LLM(
+            model=identity.folder,
+            kv_transfer_config=producer_config(capture_dir, model or identity.name),
+            block_size=block_size, enable_prefix_caching=False,
+            max_model_len=identity.context_window, **engine,
+        )  # fmt: skip
+        return cls(llm, capture_dir)
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        from safetensors.torch import load_file
+        from vllm import SamplingParams
+
+        capture_id = uuid.uuid4().hex
+        params = SamplingParams(max_tokens=1, extra_args={
+            "kv_transfer_params": {CAPTURE_PARAM: capture_id, LOAD_PARAM: False}})  # fmt: skip
+        self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        path = self.capture_dir / f"{capture_id}.safetensors"
+        if not path.is_file():
+            raise KvcdnError("vLLM ran the prefill but its KV was not captured (see its log)")
+        try:
+            return load_file(path)["kv"]
+        finally:
+            path.unlink()

