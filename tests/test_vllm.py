@@ -353,7 +353,8 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
 
     origin = MotoOrigin(moto_endpoint, "kv")
     publish(SED_MANUAL, name="sed", model=model,
-            store=open_store(origin.url, endpoint_url=moto_endpoint), levels="default")  # fmt: skip
+            store=open_store(origin.url, endpoint_url=moto_endpoint),
+            levels="fp16,default")  # fmt: skip
     edges = [
         EdgeProcess(origin.url, tmp_path / f"edge{i}", moto_endpoint).start() for i in range(2)
     ]
@@ -366,6 +367,7 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
         "kv_connector_extra_config": {
             "store": origin.url, "endpoint_url": moto_endpoint,
             "edges": [e.url for e in edges], "model": "smollm2-135m",
+            "quality": "fp16",  # exact KV: the same greedy answer as vLLM's own prefill
         },
     }  # fmt: skip
     log = tmp_path / "serve.log"
