@@ -179,6 +179,7 @@ def test_edge_killed_mid_download_never_serves_a_partial_object(tmp_path):
         node = EdgeProcess(origin_url, cache, None).start()
         status, _, body = get(f"{node.url}/{key}")
         assert status == 200 and body == data
+        node.wait_cached(1)  # the client is answered before this fill's own write ends
         assert not [p for p in cache.rglob(".*") if p.is_file()]  # leftovers cleaned at start
     finally:
         node.kill()
