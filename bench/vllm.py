@@ -111,9 +111,11 @@ def _cut(model: Any, text: str, tokens: int) -> str:
 
 
 def _run_child(config: dict[str, Any], env: dict[str, str], log: Path) -> list[dict]:
+    plan = log.parent / f"child-{time.monotonic_ns()}.json"  # too long for a command line
+    plan.write_text(json.dumps(config))
     with open(log, "a") as err:
         done = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps(config)],
+            [sys.executable, __file__, "--child", str(plan)],
             stdout=subprocess.PIPE, stderr=err, text=True, env=env, timeout=1800,
         )  # fmt: skip
     for line in done.stdout.splitlines():
@@ -142,7 +144,7 @@ def main() -> None:
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
-        child(json.loads(args.child))
+        child(json.loads(Path(args.child).read_text()))
         return
 
     from kvcdn.catalog import read_manifest
