@@ -50,6 +50,9 @@ MARK = "BENCH-RESULT "
 
 # ---- the child: one engine, a list of requests -------------------------------------------
 def child(config: dict[str, Any]) -> None:
+    # this script is named vllm.py: its folder, first on the path, would shadow vLLM
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
