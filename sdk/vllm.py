@@ -238,7 +238,6 @@ class KvcdnConnector(KVConnectorBase_V1):
             self._captures: dict[str, _Capture] = {}
             self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-lookup")
         else:
-            self._kv_caches: dict[int, torch.Tensor] = {}
             self._writer: _PagedLayout | None = None
             self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-load")
             self._done_lock = threading.Lock()
@@ -457,7 +456,6 @@ class KvcdnConnector(KVConnectorBase_V1):
             log.error("kvcdn connector disabled: %s", exc)
             self.identity = None
             return
-        self._kv_caches = self._writer.caches
         # the decode kernels load now, not on the first request's clock
         threading.Thread(
             target=_warm_codec, args=(self._writer.device, self._writer.dtype,
