@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -83,6 +84,10 @@ QUALITY_PARAM = "kvcdn_quality"
 DEADLINE_PARAM = "kvcdn_deadline_s"
 _CAPTURE_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_LOOKUPS = 4096
+#: A step that runs no model (the engine only waits for loads) waits this long for one
+#: to finish: vLLM otherwise spins such steps, and its spinning thread starves the load's
+#: threads of the GIL (a 0.1 s load took 10 s in an engine without multiprocessing).
+IDLE_STEP_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,7 @@ class CaptureSpec:
 class KvcdnMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     captures: list[CaptureSpec] = field(default_factory=list)
+    idle: bool = False  # the step runs no model
 
 
 @dataclass
@@ -240,8 +246,9 @@ class KvcdnConnector(KVConnectorBase_V1):
         else:
             self._writer: _PagedLayout | None = None
             self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-load")
-            self._done_lock = threading.Lock()
+            self._done_lock = threading.Condition()
             self._done: dict[str, set[int]] = {}  # req_id -> blocks that failed
+            self._in_flight = 0  # loads submitted, not finished
             self._failed_now: set[int] = set()
             self._profiles = ProfileCache()
             self._predictor = HarmonicPredictor()
@@ -391,7 +398,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         return _Capture(tokens, str(Path(self.config.capture_dir) / f"{capture_id}.safetensors"))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvcdnMetadata(loads=self._pending_loads)
+        meta = KvcdnMetadata(loads=self._pending_loads,
+                             idle=scheduler_output.total_num_scheduled_tokens == 0)  # fmt: skip
         self._loading.update((spec.req_id, spec) for spec in self._pending_loads)
         self._pending_loads = []
         if not self._captures:
@@ -457,11 +465,8 @@ class KvcdnConnector(KVConnectorBase_V1):
             self.identity = None
             return
         # the decode kernels load now, not on the first request's clock
-        threading.Thread(
-            target=_warm_codec, args=(self._writer.device, self._writer.dtype,
-                                      self.identity.layout.head_dim),
-            name="kvcdn-warm-up", daemon=True,
-        ).start()  # fmt: skip
+        threading.Thread(target=_warm_up, args=(self._writer, self.identity.layout.head_dim),
+                         name="kvcdn-warm-up", daemon=True).start()  # fmt: skip
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -472,6 +477,8 @@ class KvcdnConnector(KVConnectorBase_V1):
             if self._writer is None:
                 self._finish(spec.req_id, set(spec.block_ids))
                 continue
+            with self._done_lock:
+                self._in_flight += 1
             self._load_pool.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> None:
@@ -504,11 +511,17 @@ class KvcdnConnector(KVConnectorBase_V1):
         if failed:
             log.info("kvcdn: request %s: %d of %d tokens loaded; vLLM computes the rest",
                      spec.req_id, loaded_to - spec.start, spec.end - spec.start)  # fmt: skip
-        self._finish(spec.req_id, failed)
+        self._loaded(spec, failed)
 
     def _finish(self, req_id: str, failed_blocks: set[int]) -> None:
         with self._done_lock:
             self._done[req_id] = failed_blocks
+            self._done_lock.notify_all()
+
+    def _loaded(self, spec: LoadSpec, failed_blocks: set[int]) -> None:
+        with self._done_lock:
+            self._in_flight -= 1
+        self._finish(spec.req_id, failed_blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs once all its layers are written
@@ -529,7 +542,12 @@ class KvcdnConnector(KVConnectorBase_V1):
                 log.error("kvcdn: capturing request %s failed: %s", spec.req_id, exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        idle = self.has_connector_metadata() and getattr(
+            self._get_connector_metadata(), "idle", False
+        )
         with self._done_lock:
+            if idle and self._in_flight and not self._done:
+                self._done_lock.wait(IDLE_STEP_WAIT_S)
             done, self._done = self._done, {}
         for blocks in done.values():
             self._failed_now |= blocks
@@ -545,11 +563,15 @@ class KvcdnConnector(KVConnectorBase_V1):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _warm_codec(device: str, dtype: torch.dtype, dim: int) -> None:
+def _warm_up(layout: _PagedLayout, dim: int) -> None:
+    """Load the decode and write kernels now, not on the first request's clock."""
     from kvcdn import codec
 
+    device = layout.device
     try:
-        codec.warm_up(device, torch.float32 if device == "cpu" else dtype, dim)
+        codec.warm_up(device, torch.float32 if device == "cpu" else layout.dtype, dim)
+        empty = torch.empty((len(layout.caches), 2, layout.heads, 0, layout.head_dim))
+        layout.write(empty.to(device), [], 0)
     except Exception as exc:  # only a first load's speed depends on it
         log.info("kvcdn: warming the decoder up failed: %s", exc)
 
@@ -587,10 +609,20 @@ class _PagedLayout:
         self._isa: str | None = None
         self._k_perm: torch.Tensor | None = None
         self._v_perm: torch.Tensor | None = None
+        # the CPU layout written by kvcdn's kernel: the layers' blocks as one numpy view
+        # [layers, blocks, heads, K|V, block_size * head_dim], and where each element goes
+        self._rows: np.ndarray | None = None
+        self._k_pos: np.ndarray | None = None
+        self._v_pos: np.ndarray | None = None
         if kind == "cpu":
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
             self._isa = _get_attn_isa(self.dtype, block_size, head_dim)
+            if self.dtype in (torch.bfloat16, torch.float32):
+                self._k_perm, self._v_perm = self._probe_cpu_order()
+                self._k_pos = torch.argsort(self._k_perm).numpy()
+                self._v_pos = torch.argsort(self._v_perm).numpy()
+                self._rows = _stacked_rows(caches, heads, block_size * head_dim)
 
     @classmethod
     def detect(cls, kv_caches: dict[str, torch.Tensor], model: ModelIdentity,
@@ -631,6 +663,18 @@ class _PagedLayout:
     def write(self, kv: torch.Tensor, block_ids: list[int], start: int) -> None:
         """Write ``kv`` (``[L, 2, H, T, D]``, tokens ``start .. start + T``) into the slots
         of ``block_ids`` (the request's blocks from token 0)."""
+        if self._rows is not None and kv.device.type == "cpu" and kv.dtype == torch.float32:
+            from kvcdn.kernels.paged_cpu import write_permuted
+
+            assert self._k_pos is not None and self._v_pos is not None
+            blocks = np.asarray(block_ids, dtype=np.int64)
+            write_permuted(kv.numpy(), self._rows, blocks, start, self._k_pos, self._v_pos)
+            return
+        self.write_with_op(kv, block_ids, start)
+
+    def write_with_op(self, kv: torch.Tensor, block_ids: list[int], start: int) -> None:
+        """:meth:`write` with vLLM's own CPU op (float16 caches; the kernel's reference),
+        or by indexing into the token-major layout."""
         slots = self._slots(block_ids, start, start + kv.shape[3])
         for layer, cache in self.caches.items():
             k = kv[layer, 0].transpose(0, 1).to(self.dtype).contiguous()  # [T, H, D]
@@ -708,6 +752,31 @@ class _PagedLayout:
                 and torch.equal(where[:, 1], v_perm.expand(h, -1))):  # fmt: skip
             raise KvcdnError("vLLM's CPU KV layout is not a per-head permutation of tokens")
         return k_perm, v_perm
+
+
+def _stacked_rows(caches: dict[int, torch.Tensor], heads: int, row: int) -> np.ndarray | None:
+    """The CPU caches of layers ``0 .. L-1`` as one numpy view ``[L, blocks, heads, 2,
+    row]`` (bfloat16 as uint16 bits), when the layers sit at equal steps in one buffer
+    (as vLLM allocates them); None otherwise (each layer is then written by vLLM's op)."""
+    first = caches[0]
+    as_bits = torch.int16 if first.dtype == torch.bfloat16 else first.dtype
+    nb = first.shape[0]
+    layers = [caches[i].view(as_bits).view(nb, heads, 2, row) for i in range(len(caches))]
+    base = layers[0]
+    size = base.element_size()
+    step = (layers[1].data_ptr() - base.data_ptr()) // size if len(layers) > 1 else base.numel()
+    regular = step >= base.numel() and all(
+        t.shape == base.shape and t.stride() == base.stride()
+        and t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        and t.data_ptr() - base.data_ptr() == i * step * size
+        for i, t in enumerate(layers)
+    )  # fmt: skip
+    if not regular:
+        return None
+    stacked = torch.as_strided(
+        base, (len(layers), *base.shape), (step, *base.stride()), base.storage_offset()
+    ).numpy()
+    return stacked.view(np.uint16) if first.dtype == torch.bfloat16 else stacked
 
 
 class PagedTarget:

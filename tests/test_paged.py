@@ -1,9 +1,9 @@
 """Writing and reading tokens in vLLM's paged KV layouts, exactly.
 
-The CPU layout is written with vLLM's own op and read back through the
-permutation kvcdn observes it to apply (needs vLLM); the token-major CUDA
-(FlashAttention) layout is written and read by indexing, on the CPU here and
-on a GPU when there is one.
+The CPU layout is written by kvcdn's kernel (bit-identical to vLLM's own op) and
+read back through the permutation kvcdn observes the op to apply (needs vLLM);
+the token-major CUDA (FlashAttention) layout is written and read by indexing, on
+the CPU here and on a GPU when there is one.
 """
 
 from __future__ import annotations
@@ -65,21 +65,33 @@ def test_token_major_layout_round_trip_on_cuda(dtype):
     print(f"CUDA write of 2,048 tokens x 8 heads x 128 ({dtype}): {seconds * 1e3:.3f} ms")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_layout_written_by_vllms_op_reads_back_exactly(dtype):
-    from kvcdn.sdk.vllm import _PagedLayout
-
-    layers, heads, dim, blocks, tokens = 3, 3, 64, 12, 700
-    identity = ModelIdentity(
+def _identity(layers: int, heads: int, dim: int) -> ModelIdentity:
+    return ModelIdentity(
         name="test", fingerprint="0" * 64, layout=KVLayout(layers, heads, dim, "float32"),
         vocab_size=100, context_window=4096, folder="",
     )  # fmt: skip
-    shape = (blocks, heads, BLOCK, 2 * dim)
-    caches = {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=dtype) for i in range(layers)
-    }
-    paged = _PagedLayout.detect(caches, identity, BLOCK)
+
+
+def _cpu_caches(layers: int, shape: tuple[int, ...], dtype: torch.dtype, stacked: bool
+                ) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Layer caches as vLLM allocates them (``stacked``: equal steps in one buffer),
+    or as separate tensors (kvcdn then writes each with vLLM's op)."""
+    if stacked:
+        buffer = torch.zeros((layers, *shape), dtype=dtype)
+        return {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(layers)}
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=dtype)
+            for i in range(layers)}  # fmt: skip
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+@pytest.mark.parametrize("stacked", [True, False], ids=["one-buffer", "separate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_layout_written_by_kvcdn_reads_back_exactly(dtype, stacked):
+    from kvcdn.sdk.vllm import _PagedLayout
+
+    layers, heads, dim, blocks, tokens = 3, 3, 64, 12, 700
+    caches = _cpu_caches(layers, (blocks, heads, BLOCK, 2 * dim), dtype, stacked)
+    paged = _PagedLayout.detect(caches, _identity(layers, heads, dim), BLOCK)
     assert paged.kind == "cpu"
     kv = torch.randn((layers, 2, heads, tokens, dim)).to(dtype).float()
     block_ids = [7, 2, 9]
@@ -90,14 +102,59 @@ def test_cpu_layout_written_by_vllms_op_reads_back_exactly(dtype):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+@pytest.mark.parametrize("block_size", [16, 64, 256])  # vLLM picks its CPU kernel by block size
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kvcdns_cpu_write_is_bit_identical_to_vllms_op(dtype, block_size):
+    """The numba kernel (one pass over a vLLM-style buffer) against vLLM's own
+    ``cpu_attn_reshape_and_cache``, on unrounded float32 values (so bfloat16 rounding
+    is compared too), infinities and a subnormal, with writes that start and end
+    inside blocks."""
+    from kvcdn.sdk.vllm import _PagedLayout
+
+    layers, heads, dim, blocks, tokens = 3, 3, 64, 60, 700
+    shape = (blocks, heads, block_size, 2 * dim)
+    ours, theirs = (_cpu_caches(layers, shape, dtype, stacked=True) for _ in range(2))
+    identity = _identity(layers, heads, dim)
+    paged, reference = (_PagedLayout.detect(c, identity, block_size) for c in (ours, theirs))
+    assert paged._rows is not None  # the kernel's path, not the op's
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn((layers, 2, heads, tokens, dim), generator=gen) * 3
+    kv[0, 0, 0, 0, :3] = torch.tensor([float("inf"), -float("inf"), 1e-40])
+    block_ids = torch.randperm(blocks, generator=gen)[: -(-tokens // block_size)].tolist()
+    for lo, hi in ((0, 300), (300, 301), (301, tokens)):
+        paged.write(kv[:, :, :, lo:hi], block_ids, lo)
+        reference.write_with_op(kv[:, :, :, lo:hi], block_ids, lo)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for name in ours:
+        assert torch.equal(ours[name].view(bits), theirs[name].view(bits)), name
+    assert ours["model.layers.0.self_attn.attn"].any()
+
+
+def test_permuted_write_refuses_what_does_not_fit():
+    import numpy as np
+
+    from kvcdn.kernels.paged_cpu import write_permuted
+
+    cache = np.zeros((2, 4, 3, 2, 16 * 8), dtype=np.uint16)  # 2 layers, 4 blocks of 16
+    kv = np.zeros((2, 2, 3, 20, 8), dtype=np.float32)
+    pos = np.arange(16 * 8)
+    write_permuted(kv, cache, np.array([3, 0]), 0, pos, pos)
+    with pytest.raises(ValueError, match="outside the cache"):
+        write_permuted(kv, cache, np.array([3, 4]), 0, pos, pos)
+    with pytest.raises(ValueError, match="do not fit"):
+        write_permuted(kv, cache, np.array([3, 0]), 20, pos, pos)
+    with pytest.raises(ValueError, match="float32"):
+        write_permuted(kv.astype(np.float64), cache, np.array([3, 0]), 0, pos, pos)
+    with pytest.raises(ValueError, match="permutations"):
+        write_permuted(kv, cache, np.array([3, 0]), 0, pos[:-1], pos[:-1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_a_layout_kvcdn_does_not_know_is_refused():
     from kvcdn.errors import KvcdnError
     from kvcdn.sdk.vllm import _PagedLayout
 
-    identity = ModelIdentity(
-        name="test", fingerprint="0" * 64, layout=KVLayout(1, 3, 64, "float32"),
-        vocab_size=100, context_window=4096, folder="",
-    )  # fmt: skip
+    identity = _identity(1, 3, 64)
     with pytest.raises(KvcdnError, match="layout"):
         _PagedLayout.detect({"model.layers.0.attn": torch.zeros((4, 3, 64, BLOCK))},
                             identity, BLOCK)  # fmt: skip
