@@ -12,7 +12,9 @@ caching off, so every request loads or computes its document; blocks of
 ``--block-size`` tokens, 64 by default), started as a child process; TTFT is
 the wall clock of ``LLM.generate`` for one request with ``max_tokens=1`` (what an
 offline client of the engine waits for its first token), the median of
-``--repeats`` after one warm-up request:
+``--repeats`` after one warm-up request; the warm-up's own time is reported as
+``first`` (for an engine's first kvcdn row, the fresh process's first load, with
+its document's lookup not yet cached):
 
 - ``prefill``: vLLM computes the whole prompt (kvcdn's connector told to keep out);
 - ``example``: vLLM's own ExampleConnector, uncompressed bf16 KV in files on local
@@ -275,12 +277,15 @@ def _report(results: list[dict], manifests: dict, docs: dict, args: Any) -> dict
         rows.append({"doc": doc, "config": label, "ttft_s": ttft, "loaded_tokens": loaded,
                      "bytes": moved, "runs": [r["seconds"] for r in rs],
                      "kvcdn": rs[-1]["kvcdn"]})  # fmt: skip
-    # the example's bytes: files written by its first (warm-up) request
+    # each configuration's first (warm-up) request (an engine's first kvcdn row: its first
+    # load, lookup not cached); the example's bytes are the files that request wrote
     for r in results:
-        if r["label"] == "warm-up example":
+        if r["label"].startswith("warm-up "):
             for row in rows:
-                if row["doc"] == r["doc"] and row["config"] == "example":
-                    row["bytes"] = r["example_bytes_written"]
+                if row["doc"] == r["doc"] and row["config"] == r["label"][len("warm-up "):]:
+                    row["first_ttft_s"] = r["seconds"]
+                    if row["config"] == "example":
+                        row["bytes"] = r["example_bytes_written"]
     ratios = {}
     for doc in docs:
         t = {row["config"]: row["ttft_s"] for row in rows if row["doc"] == doc}
@@ -292,11 +297,13 @@ def _report(results: list[dict], manifests: dict, docs: dict, args: Any) -> dict
                / t[f"kvcdn edge {rate} {lv}"]
                for rate in args.rates.split(",") for lv in ("default", "lowest", "auto")},
         }  # fmt: skip
-    print(f"\n{'document':<10} {'configuration':<28} {'TTFT s':>8} {'loaded':>7} {'MB moved':>9}")
+    print(f"\n{'document':<10} {'configuration':<28} {'TTFT s':>8} {'first s':>8} {'loaded':>7} "
+          f"{'MB moved':>9}")  # fmt: skip
     for row in rows:
         mb = "" if row["bytes"] is None else f"{row['bytes'] / 1e6:.1f}"
         print(f"{row['doc']:<10} {row['config']:<28} {row['ttft_s']:>8.3f} "
-              f"{row['loaded_tokens']:>7} {mb:>9}")  # fmt: skip
+              f"{row.get('first_ttft_s', float('nan')):>8.3f} {row['loaded_tokens']:>7} "
+              f"{mb:>9}")  # fmt: skip
     for doc, r in ratios.items():
         print(f"\n{doc}:")
         for k, v in r.items():
