@@ -31,7 +31,8 @@ def _bf16_bits(x):  # pragma: no cover - jitted
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _write_bf16(kv, cache, blocks, start, k_pos, v_pos):  # pragma: no cover - jitted
+def _write(kv, cache, blocks, start, k_pos, v_pos, to_bf16):  # pragma: no cover - jitted
+    # to_bf16 is a run-time flag (not a function argument, which numba cannot cache)
     layers, _, heads, tokens, dim = kv.shape
     block_size = cache.shape[4] // dim
     for i in prange(layers * heads * tokens):
@@ -42,24 +43,13 @@ def _write_bf16(kv, cache, blocks, start, k_pos, v_pos):  # pragma: no cover - j
         b = blocks[p // block_size]
         e = (p % block_size) * dim
         for d in range(dim):
-            cache[layer, b, h, 0, k_pos[e + d]] = _bf16_bits(kv[layer, 0, h, t, d])
-            cache[layer, b, h, 1, v_pos[e + d]] = _bf16_bits(kv[layer, 1, h, t, d])
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _write_f32(kv, cache, blocks, start, k_pos, v_pos):  # pragma: no cover - jitted
-    layers, _, heads, tokens, dim = kv.shape
-    block_size = cache.shape[4] // dim
-    for i in prange(layers * heads * tokens):
-        layer = i // (heads * tokens)
-        h = i // tokens % heads
-        t = i % tokens
-        p = start + t
-        b = blocks[p // block_size]
-        e = (p % block_size) * dim
-        for d in range(dim):
-            cache[layer, b, h, 0, k_pos[e + d]] = kv[layer, 0, h, t, d]
-            cache[layer, b, h, 1, v_pos[e + d]] = kv[layer, 1, h, t, d]
+            k, v = kv[layer, 0, h, t, d], kv[layer, 1, h, t, d]
+            if to_bf16:
+                cache[layer, b, h, 0, k_pos[e + d]] = _bf16_bits(k)
+                cache[layer, b, h, 1, v_pos[e + d]] = _bf16_bits(v)
+            else:
+                cache[layer, b, h, 0, k_pos[e + d]] = k
+                cache[layer, b, h, 1, v_pos[e + d]] = v
 
 
 def write_permuted(
@@ -88,9 +78,6 @@ def write_permuted(
     if len(blocks) and (blocks.min() < 0 or blocks.max() >= cache.shape[1]):
         raise ValueError("a block id is outside the cache")
     kv = np.ascontiguousarray(kv)  # one compiled variant (a chunk's slice is a copy)
-    if cache.dtype == np.uint16:
-        _write_bf16(kv, cache, blocks, start, k_pos, v_pos)
-    elif cache.dtype == np.float32:
-        _write_f32(kv, cache, blocks, start, k_pos, v_pos)
-    else:
+    if cache.dtype not in (np.uint16, np.float32):
         raise ValueError(f"cache dtype {cache.dtype} is neither bfloat16 bits nor float32")
+    _write(kv, cache, blocks, start, k_pos, v_pos, cache.dtype == np.uint16)
