@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.markup import escape
 from rich.table import Table
+
+from kvcdn.errors import InputError
 
 from . import reports
 from .app import (
     _emit_json,
     _mb,
     _open,
+    _progress,
     _signer_text,
     _trust,
     cli,
@@ -25,11 +29,32 @@ from .app import (
 
 
 @cli.command("ls")
+@click.argument("prefix", required=False, default="")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=None,
+    help="List at most this many documents (one page). [default: all]",
+)
+@click.option(
+    "--after", metavar="NAME", help="Start after this document: the last name of the previous page."
+)
 @store_option
 @endpoint_option
 @json_option
-def ls(store: str | None, endpoint_url: str | None, as_json: bool) -> None:
-    """List the documents in the store and their versions."""
+def ls(prefix: str, limit: int | None, after: str | None, store: str | None,
+       endpoint_url: str | None, as_json: bool) -> None:  # fmt: skip
+    """List the documents whose name starts with PREFIX (all without one), and their
+    versions.
+
+    Only the store's keys are listed, page by page, and never a manifest, so a
+    store of any size answers quickly. Documents come in key order; page
+    through many with --limit and --after:
+
+    \b
+      kvcdn ls man- --limit 100
+      kvcdn ls man- --limit 100 --after man-grep
+    """
     from kvcdn.catalog import list_documents
     from kvcdn.errors import NotFound
 
@@ -44,20 +69,146 @@ def ls(store: str | None, endpoint_url: str | None, as_json: bool) -> None:
         else:
             out.print(f"no documents: {escape(str(exc))}")
         return
-    docs = list_documents(target)
+    docs = list_documents(target, prefix=prefix, after=after, limit=limit)
     if as_json:
         _emit_json(reports.listing(docs))
         return
     if not docs:
-        out.print(f"no documents in {escape(target.url)}")
+        what = f"named {prefix}*" if prefix else ""
+        out.print(f"no documents {what} in {escape(target.url)}" + (
+            f" after {escape(after)}" if after else ""))  # fmt: skip
         return
     table = Table(title=f"documents in {target.url}")
     table.add_column("name")
     table.add_column("latest", justify="right")
     table.add_column("versions")
     for d in docs:
-        table.add_row(d.name, str(d.latest), ", ".join(map(str, d.versions)))
+        table.add_row(escape(d.name), str(d.latest), _versions_text(d.versions))
     out.print(table)
+    if limit is not None and len(docs) == limit:
+        more = f"kvcdn ls {prefix} --limit {limit} --after {docs[-1].name}".replace("  ", " ")
+        out.print(f"more may follow: {escape(more)}")
+
+
+def _versions_text(versions: list[int]) -> str:
+    if len(versions) <= 8:
+        return ", ".join(map(str, versions))
+    return f"{versions[0]}, {versions[1]}, … {versions[-2]}, {versions[-1]} ({len(versions)})"
+
+
+@cli.command()
+@click.argument("ref", metavar="NAME[@VERSION]")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@store_option
+@endpoint_option
+@json_option
+def rm(ref: str, dry_run: bool, store: str | None, endpoint_url: str | None,
+       as_json: bool) -> None:  # fmt: skip
+    """Remove a document (every version) or one version of it.
+
+    The versions' manifests go, with the latest pointer when it named one of
+    them (it moves to the newest version left) and their index entries. Chunk
+    objects stay, since other versions and documents may share them:
+    `kvcdn gc` deletes those no version names any more.
+
+    \b
+      kvcdn rm bash-manual@3      # one version
+      kvcdn rm bash-manual        # the whole document
+      kvcdn gc                    # then free the space
+    """
+    from kvcdn.catalog import parse_ref
+    from kvcdn.gc import remove
+
+    name, version = parse_ref(ref)
+    removal = remove(_open(store, endpoint_url), name, version, dry_run=dry_run)
+    if as_json:
+        _emit_json(reports.removed(removal, dry_run))
+        return
+    verb = "would remove" if dry_run else "removed"
+    out.print(f"{verb} {escape(', '.join(removal.versions))} ({len(removal.keys)} keys, "
+              f"{_mb(removal.bytes)} of manifests); objects are freed by `kvcdn gc`")  # fmt: skip
+
+
+@cli.command()
+@click.option(
+    "--keep",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Keep each document's newest N versions; remove older ones first. "
+    "[default: keep every version]",
+)
+@click.option(
+    "--grace",
+    "grace",
+    default="24h",
+    show_default=True,
+    metavar="DURATION",
+    help="Never delete what was written or reused less than this long ago "
+    "(30s, 15m, 6h, 2d): longer than any publish that may run meanwhile.",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@store_option
+@endpoint_option
+@json_option
+def gc(keep: int | None, grace: str, dry_run: bool, store: str | None,
+       endpoint_url: str | None, as_json: bool) -> None:  # fmt: skip
+    """Delete the chunk objects and codec profiles no version names any more.
+
+    Objects are shared between versions and documents, so removing a version
+    (`kvcdn rm`, or --keep here) leaves them; gc reads every kept manifest and
+    deletes what none of them names, unless it is younger than the grace
+    period. It is safe while documents are being published: a publish marks
+    every object it reuses as new (docs/gc.md).
+
+    \b
+      kvcdn gc --dry-run          # what would go, and the bytes freed
+      kvcdn gc --keep 3           # keep 3 versions of each document
+    """
+    from kvcdn.gc import collect
+
+    target = _open(store, endpoint_url)
+    with _progress(not as_json) as progress:
+        bars: dict[str, Any] = {}
+
+        def advance(stage: str, done: int, total: int) -> None:
+            label = {"read": "reading manifests", "delete": "deleting"}.get(stage, stage)
+            if stage not in bars:
+                bars[stage] = progress.add_task(label, total=total)
+            progress.update(bars[stage], completed=done, total=total)
+
+        report = collect(target, keep=keep, grace_s=parse_duration(grace), dry_run=dry_run,
+                         progress=advance)  # fmt: skip
+    if as_json:
+        _emit_json(reports.collected(report))
+        return
+    verb = "would delete" if report.dry_run else "deleted"
+    if report.removal.versions:
+        out.print(f"{'would remove' if report.dry_run else 'removed'} "
+                  f"{len(report.removal.versions)} old version(s)")  # fmt: skip
+    out.print(f"{verb} {len(report.deleted)} object(s) and profile(s): {_mb(report.freed_bytes)} "
+              f"freed; {report.manifests} version(s) name {report.referenced} kept")  # fmt: skip
+    if report.kept_young:
+        young = _mb(report.kept_young_bytes)
+        out.print(f"kept {report.kept_young} unreferenced object(s) ({young}) younger than {grace}")
+    if report.kept_freshened:
+        out.print(f"kept {report.kept_freshened} object(s) a publish reused while gc ran")
+
+
+def parse_duration(text: str) -> float:
+    """``30s``, ``15m``, ``6h``, ``2d`` or a number of seconds -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    value = text.strip().lower()
+    scale = units.get(value[-1:], None)
+    number = value[:-1] if scale else value
+    try:
+        seconds = float(number) * (scale or 1)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise InputError(
+            f"--grace {text!r} is not a duration: use a number with s, m, h or d (30s, 15m, 6h, 2d)"
+        )
+    return seconds
 
 
 @cli.command()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvcdn.catalog import DocumentSummary
+    from kvcdn.gc import Collection, Removal
     from kvcdn.manifest import Manifest, ObjectRef
     from kvcdn.model_cache import CachedModel
     from kvcdn.publish import PublishResult
@@ -57,6 +58,33 @@ def calibrated(
 
 def listing(docs: list[DocumentSummary]) -> list[dict[str, Any]]:
     return [{"name": d.name, "versions": list(d.versions), "latest": d.latest} for d in docs]
+
+
+def removed(removal: Removal, dry_run: bool) -> dict[str, Any]:
+    """What ``kvcdn rm`` removed (would remove, with ``dry_run``)."""
+    return {
+        "dry_run": dry_run,
+        "versions": list(removal.versions),
+        "keys": list(removal.keys),
+        "bytes": removal.bytes,
+    }
+
+
+def collected(report: Collection) -> dict[str, Any]:
+    """What ``kvcdn gc`` deleted (would delete, with ``dry_run``) and kept."""
+    return {
+        "dry_run": report.dry_run,
+        "grace_s": report.grace_s,
+        "removed": removed(report.removal, report.dry_run),
+        "versions_kept": report.manifests,
+        "referenced": report.referenced,
+        "deleted": list(report.deleted),
+        "freed_bytes": report.freed_bytes,
+        "kept_young": report.kept_young,
+        "kept_young_bytes": report.kept_young_bytes,
+        "kept_freshened": report.kept_freshened,
+        "seconds": report.seconds,
+    }
 
 
 def inspected(m: Manifest) -> dict[str, Any]:

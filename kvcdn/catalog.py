@@ -24,7 +24,7 @@ from .manifest import (
     open_pointer,
 )
 from .signing import TrustPolicy
-from .store import Reader
+from .store import Reader, Store
 
 log = logging.getLogger(__name__)
 
@@ -193,13 +193,39 @@ class DocumentSummary:
     latest: int
 
 
-def list_documents(store: Reader) -> list[DocumentSummary]:
-    by_name: dict[str, list[int]] = {}
-    for key in store.list(keys.DOCS_PREFIX):
+def list_documents(
+    store: Store, *, prefix: str = "", after: str | None = None, limit: int | None = None
+) -> list[DocumentSummary]:
+    """Documents whose name starts with ``prefix``, in key order (``docs/NAME/``, so
+    ``a-b`` lists before ``a``), those up to and including ``after`` skipped, at
+    most ``limit``: one page of a store of any size. The next page starts
+    after the last name of this one.
+
+    Only keys are listed, page by page as needed: no manifest is read.
+    """
+    if limit is not None and (type(limit) is not int or limit < 1):
+        raise InputError(f"a page holds 1 document or more (not {limit})")
+    if prefix and any(c in prefix for c in "/\0"):
+        raise InputError(f"invalid name prefix {prefix!r}")
+    # Every key of NAME starts with docs/NAME/; docs/NAME0 sorts after all of them
+    # and before the keys of any later name ('0' follows '/').
+    start = keys.DOCS_PREFIX + keys.check_name(after) + "0" if after else ""
+    found: list[DocumentSummary] = []
+    name, versions_of = None, []
+    for key in store.iter_keys(keys.DOCS_PREFIX + prefix, after=start):
         info = keys.parse_key(key)
-        if info is not None and info.kind == "manifest":
-            by_name.setdefault(info.name, []).append(info.version)
-    return [DocumentSummary(name, sorted(vs), max(vs)) for name, vs in sorted(by_name.items())]
+        if info is None or info.kind != "manifest":
+            continue
+        if info.name != name:
+            if name is not None and versions_of:
+                found.append(DocumentSummary(name, sorted(versions_of), max(versions_of)))
+                if limit is not None and len(found) >= limit:
+                    return found
+            name, versions_of = info.name, []
+        versions_of.append(info.version)
+    if name is not None and versions_of:
+        found.append(DocumentSummary(name, sorted(versions_of), max(versions_of)))
+    return found
 
 
 def find_by_source(
@@ -255,4 +281,7 @@ def _indexed(store: Reader, key: str, what: str, trust: TrustPolicy | None) -> M
     except NotFound:
         return None
     pointer = open_pointer(data, what=what)
-    return read_manifest(store, pointer.name, pointer.version, trust=trust)
+    try:
+        return read_manifest(store, pointer.name, pointer.version, trust=trust)
+    except NotFound:  # the version was removed (kvcdn rm, gc --keep): no entry
+        return None

@@ -207,6 +207,7 @@ def publish(
         profile, profile_ref = ensure_profile(
             store, loaded, calibrating, sign_keys=sign_keys, trust=trust
         )
+        store.freshen(profile_ref.key)  # named by this version: kept from a concurrent gc
         if calibrated:  # the model had no codec profile: a one-off, reported apart
             seconds["calibrate"] = time.perf_counter() - t
     chosen = parse_levels(levels, profile)
@@ -221,6 +222,7 @@ def publish(
     # Objects known to be stored, by (chunk hash, level id): those this run
     # uploaded or checked, and those a trusted earlier version names.
     stored: dict[tuple[str, str], ObjectRef] = {}
+    freshened: set[str] = set()  # keys of objects this run names without uploading them
     uploaded = 0
     uploaded_bytes = 0
     for _attempt in range(VERSION_ATTEMPTS):
@@ -263,6 +265,7 @@ def publish(
             loaded.check_fits(len(ids))
             chunks = split_chunks(fingerprint, ids, chunk_tokens)
             seconds["tokenize"] = time.perf_counter() - t
+        _freshen_reused(store, chunks, chosen, stored, freshened)
         missing = [
             (chunk, level)
             for chunk in chunks
@@ -307,6 +310,8 @@ def publish(
                     if written:
                         uploaded += 1
                         uploaded_bytes += ref.bytes
+                    else:
+                        freshened.add(ref.key)
                     progress("upload", n + 1, len(missing))
             seconds["encode"] = seconds.get("encode", 0.0) + t_encode
             seconds["upload"] = seconds.get("upload", 0.0) + time.perf_counter() - t - t_encode
@@ -320,6 +325,7 @@ def publish(
         if sign_keys:
             data = seal(data, MANIFEST_TYPE, sign_keys)
         if store.put_new(manifest_key(name, version), data):
+            _check_still_stored(store, manifest, freshened)
             break
         log.info("%s@%d was published by someone else meanwhile; publishing as the next", name,
                  version)  # fmt: skip
@@ -349,6 +355,58 @@ def publish(
         seconds=seconds,
         signed_by=signed_by,
     )
+
+
+def _freshen_reused(
+    store: Store, chunks: list, levels: list[Level], stored: dict[tuple[str, str], ObjectRef],
+    freshened: set[str],
+) -> None:  # fmt: skip
+    """Freshen the stored objects this version will name without uploading them (an
+    earlier version's), so that a concurrent gc keeps them (:mod:`kvcdn.gc`); one
+    that is gone is dropped from ``stored``, to be encoded and uploaded again."""
+    todo = [
+        (chunk.hash, level.id)
+        for chunk in chunks
+        for level in levels
+        if (chunk.hash, level.id) in stored and stored[chunk.hash, level.id].key not in freshened
+    ]
+
+    def freshen(item: tuple[str, str]) -> tuple[str, str] | None:
+        try:
+            store.freshen(stored[item].key)
+        except NotFound:
+            return item
+        return None
+
+    with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
+        gone = [item for item in pool.map(freshen, todo) if item is not None]
+    for item in gone:
+        log.warning("%s is gone from %s (collected?); uploading it again", stored[item].key,
+                    store.url)  # fmt: skip
+        del stored[item]
+    freshened.update(stored[item].key for item in todo if item in stored)
+
+
+def _check_still_stored(store: Store, manifest: Manifest, freshened: set[str]) -> None:
+    """The objects a new version names without having uploaded them must still exist:
+    a gc that decided to delete one just before it was freshened could have."""
+    named = {ref.key for c in manifest.chunks for ref in c.objects.values()} & freshened
+
+    def exists(key: str) -> str | None:
+        try:
+            store.stat(key)
+        except NotFound:
+            return key
+        return None
+
+    with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
+        gone = [key for key in pool.map(exists, sorted(named)) if key is not None]
+    if gone:
+        raise StoreError(
+            f"{manifest.ref} was published, but {len(gone)} object(s) it names were deleted "
+            f"meanwhile (by a gc that ran alongside, first: {gone[0]}); publish again, which "
+            "uploads them anew"
+        )
 
 
 def _write_indexes(store: Store, manifest: Manifest) -> None:

@@ -3,7 +3,10 @@
 A store is a flat namespace of keys (``a/b/c``) under a root. It offers what
 publishing needs and nothing more: read (bounded, and checked by the caller's
 ``check``), atomic write, create-only write (the conditional write that keeps
-two publishers from claiming one version), list.
+two publishers from claiming one version), list (with sizes and modification
+times, or page by page in key order), freshen (set a key's modification time
+to now: what keeps :mod:`kvcdn.gc` off an object a publish is reusing) and
+delete.
 
 S3 works unchanged against AWS, MinIO, Ceph RGW, R2 or moto: the endpoint comes
 from ``endpoint_url`` or ``AWS_ENDPOINT_URL``, credentials from the standard AWS
@@ -51,6 +54,19 @@ Check = Callable[[bytes], None]
 #: and a cancelled fetch stops between two. One piece (one GET on S3) covers
 #: most chunk objects.
 FETCH_PIECE = 4 << 20
+
+
+@dataclass(frozen=True)
+class KeyStat:
+    """A stored key's size in bytes and modification time (seconds since the epoch,
+    by the store's clock)."""
+
+    size: int
+    modified: float
+
+
+#: Keys asked for per request when listing page by page (S3's maximum).
+LIST_PAGE = 1000
 
 
 class FetchCancelled(Exception):
@@ -267,13 +283,35 @@ class Store:
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         """Keys under ``prefix`` (as for :meth:`list`) with their sizes in bytes."""
+        return {key: stat.size for key, stat in self.list_stats(prefix).items()}
+
+    def list_stats(self, prefix: str = "") -> dict[str, KeyStat]:
+        """Keys under ``prefix`` (as for :meth:`list`) with their sizes and times."""
         base = self._path(prefix.rstrip("/")) if prefix else self.root
         with self._errors(f"listing {prefix or '/'}"):
             try:
                 found = self.fs.find(base, detail=True)
             except FileNotFoundError:
                 return {}
-        return {self._key(path): int(info.get("size") or 0) for path, info in found.items()}
+        return {
+            self._key(path): KeyStat(int(info.get("size") or 0), _modified(info))
+            for path, info in found.items()
+        }
+
+    def iter_keys(self, prefix: str = "", *, after: str = "") -> Iterator[str]:
+        """Keys that start with ``prefix`` (any string, not only a folder) and sort
+        after ``after``, in ascending order, read page by page as they are consumed:
+        the cost of a listing grows with what its caller takes, not with the store."""
+        folder = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
+        for key in self.list(folder):  # stores without a paged listing: filter one
+            if key.startswith(prefix) and key > after:
+                yield key
+
+    def stat(self, key: str) -> KeyStat:
+        """``key``'s size and modification time (:class:`NotFound` if it does not exist)."""
+        with self._errors(f"reading the time of {key}"):
+            info = self.fs.info(self._path(key))
+        return KeyStat(int(info.get("size") or 0), _modified(info))
 
     # ---- writing ---------------------------------------------------------------
     def put(self, key: str, data: bytes) -> None:
@@ -286,7 +324,7 @@ class Store:
 
     def put_content(self, key: str, data: bytes) -> bool:
         """Store a content-addressed object (``key`` names the sha256 of ``data``);
-        False when it was already there, whole.
+        False when it was already there, whole (then it is freshened).
 
         An existing object under the key holds either these bytes or damaged ones
         (a disk fault, a store attacker): it is read back and replaced if damaged.
@@ -296,6 +334,7 @@ class Store:
         try:
             existing = self.get(key, max_bytes=len(data))
             if hashlib.sha256(existing).digest() == hashlib.sha256(data).digest():
+                self.freshen(key)  # about to be named again: kept from a concurrent gc
                 return False
             reason = "it holds other bytes"
         except (FormatError, NotFound) as exc:
@@ -320,6 +359,37 @@ class Store:
                 return False
             self.fs.pipe_file(path, data)
             return True
+
+    def freshen(self, key: str) -> None:
+        """Set ``key``'s modification time to now, keeping its bytes (:class:`NotFound`
+        if it is gone). A publisher freshens every stored object it names without
+        uploading it, so that a concurrent gc, which deletes only objects unchanged
+        for its grace period, cannot take it (what git does for the same race)."""
+        with self._errors(f"freshening {key}"):
+            self._freshen(self._path(key))
+
+    def _freshen(self, path: str) -> None:
+        with self._create_lock:
+            self.fs.pipe_file(path, self.fs.cat_file(path))
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``; one that does not exist is no error (S3 cannot tell)."""
+        with self._errors(f"deleting {key}"):
+            try:
+                self.fs.rm_file(self._path(key))
+            except FileNotFoundError:
+                pass
+
+    def now(self) -> float:
+        """The store's clock (seconds since the epoch), which stamps modification
+        times: read from a key written and deleted for the purpose, so that a
+        publisher's or gc's own clock being off does not matter."""
+        key = f"tmp/clock/{uuid.uuid4().hex}"
+        self.put(key, b"")
+        try:
+            return self.stat(key).modified
+        finally:
+            self.delete(key)
 
     def check(self, create: bool = True) -> None:
         """Raise a clear :class:`StoreError` if the store cannot be used; with
@@ -357,10 +427,29 @@ class LocalStore(Store):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+    def list_stats(self, prefix: str = "") -> dict[str, KeyStat]:
         self._require_root()
-        found = super().list_sizes(prefix)  # without temporary files of unfinished writes
+        found = super().list_stats(prefix)  # without temporary files of unfinished writes
         return {k: n for k, n in found.items() if not k.rsplit("/", 1)[-1].startswith(".")}
+
+    def iter_keys(self, prefix: str = "", *, after: str = "") -> Iterator[str]:
+        self._require_root()
+        folder, _, start = prefix.rpartition("/")
+        base = Path(self.root, folder) if folder else Path(self.root)
+        yield from _walk_sorted(base, f"{folder}/" if folder else "", start, prefix, after)
+
+    def _freshen(self, path: str) -> None:
+        os.utime(path)
+
+    def delete(self, key: str) -> None:
+        # Folders left empty stay: removing one could race a publisher about to
+        # write into it, and listings see only files.
+        try:
+            Path(self._path(key)).unlink()
+        except FileNotFoundError:
+            self._require_root()
+        except OSError as exc:
+            raise StoreError(f"deleting {key} from {self.url}: {exc.strerror}") from None
 
     def _require_root(self) -> None:
         """A store that is gone is a failure, not a missing key."""
@@ -398,6 +487,34 @@ class S3Store(Store):
                 return False
             raise
         return True
+
+    def iter_keys(self, prefix: str = "", *, after: str = "") -> Iterator[str]:
+        bucket, _, root = self.root.partition("/")
+        base = f"{root}/" if root else ""
+        token: str | None = None
+        start = base + after if after > prefix else ""
+        while True:
+            args: dict[str, Any] = {"Bucket": bucket, "Prefix": base + prefix, "MaxKeys": LIST_PAGE}
+            if token:
+                args["ContinuationToken"] = token
+            elif start:
+                args["StartAfter"] = start
+            with self._errors(f"listing {prefix or '/'}"):
+                page = self.fs.call_s3("list_objects_v2", **args)
+            for item in page.get("Contents", []):
+                yield item["Key"][len(base) :]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def _freshen(self, path: str) -> None:
+        # A copy onto itself is how S3 sets a new modification time without moving
+        # the bytes; it must change something, so the metadata is replaced (by none).
+        bucket, _, key = path.partition("/")
+        self.fs.call_s3(
+            "copy_object", Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": key},
+            MetadataDirective="REPLACE",
+        )  # fmt: skip
 
     def check(self, create: bool = True) -> None:
         bucket = self.root.split("/", 1)[0]
@@ -468,6 +585,39 @@ def open_store(
             store = Store(url, fs, fs._strip_protocol(url))
     store.check(create)
     return store
+
+
+def _modified(info: dict[str, Any]) -> float:
+    """A listing entry's modification time: S3's ``LastModified``, a local file's
+    ``mtime``, or the memory filesystem's ``created``."""
+    value = info.get("LastModified") or info.get("mtime") or info.get("created")
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    return float(value) if value is not None else 0.0
+
+
+def _walk_sorted(folder: Path, key_prefix: str, start: str, prefix: str, after: str
+                 ) -> Iterator[str]:  # fmt: skip
+    """The files under ``folder`` in the order S3 lists keys (by the whole key, so
+    ``a-b/x`` before ``a/x``), entries not starting with ``start`` skipped, and
+    folders that hold nothing after ``after`` not entered."""
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return
+    keyed = []
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.name.startswith(start):
+            continue  # temporary files of unfinished writes, or outside the prefix
+        is_dir = entry.is_dir(follow_symlinks=False)
+        keyed.append((key_prefix + entry.name + ("/" if is_dir else ""), entry, is_dir))
+    for key, entry, is_dir in sorted(keyed):
+        if is_dir:
+            if after[: len(key)] > key:  # every key inside sorts before ``after``
+                continue
+            yield from _walk_sorted(Path(entry.path), key, "", prefix, after)
+        elif key > after and key.startswith(prefix):
+            yield key
 
 
 def check_endpoint_url(endpoint_url: str | None) -> str | None:

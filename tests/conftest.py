@@ -59,7 +59,7 @@ def short_text(sed_text: str) -> str:
     return sed_text[:3000]
 
 
-_PUBLISHING_MODULES = {"test_pipeline", "test_crash", "test_cli", "test_s3"}
+_PUBLISHING_MODULES = {"test_pipeline", "test_crash", "test_cli", "test_s3", "test_gc"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

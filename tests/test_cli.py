@@ -15,7 +15,7 @@ from kvcdn.cli.main import cli
 from kvcdn.codec_profile import LADDER
 from tests.cli_json import commands, parsed
 
-COMMANDS = ["publish", "ls", "inspect", "ask", "demo"]
+COMMANDS = ["publish", "ls", "inspect", "ask", "demo", "rm", "gc"]
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -184,6 +184,10 @@ def test_demo_runs_on_embedded_defaults(model, tmp_path):
         (["ask", "a" * 300, "Why?"], "invalid document name", 2),
         (["inspect", "nothing-here", "--store", "DIR"], "no document named 'nothing-here'", 4),
         (["inspect", "bad/name"], "invalid document name", 2),
+        (["rm", "nothing-here", "--store", "DIR"], "no document named 'nothing-here'", 4),
+        (["rm", "doc@0", "--store", "DIR"], "invalid version", 2),
+        (["gc", "--grace", "soon", "--store", "DIR"], "is not a duration", 2),
+        (["ls", "--after", "bad/name", "--store", "DIR"], "invalid document name", 2),
     ],
 )
 def test_user_mistakes_get_one_line_and_an_exit_code(args, message, code, tmp_path, moto_endpoint):
