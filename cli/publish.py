@@ -71,6 +71,12 @@ from .app import (
     help="What prefills the documents: transformers in this process, or a vLLM engine "
     "started for the run (pip install 'kvcdn[vllm]'), whose KV kvcdn's connector captures.",
 )
+@click.option(
+    "--full-prefill",
+    is_flag=True,
+    help="Prefill a changed document from its first token, instead of continuing "
+    "after the unchanged prefix whose KV the previous version stores.",
+)
 @trust_option
 @device_option
 @json_option
@@ -84,6 +90,7 @@ def publish(
     name: str | None,
     sign_key_files: tuple[Path, ...],
     engine: str,
+    full_prefill: bool,
     trust_file: Path | None,
     device: str | None,
     as_json: bool,
@@ -93,7 +100,9 @@ def publish(
     Objects go up first, the versioned manifest last, so a crash never leaves
     a half-published version; re-running finishes the job, and re-publishing
     an unchanged document changes nothing. A changed document becomes the
-    next version and uploads only the chunks that changed.
+    next version: the model prefills only from its first changed token (the
+    KV of what precedes it is read back from the previous version) and only
+    the chunks that changed are uploaded.
 
     The ladder levels need the model's codec profile: the first publish for a
     model calibrates it (about two minutes for smollm2-135m on 2 CPUs) unless
@@ -144,6 +153,7 @@ def publish(
                         sign_keys=sign_keys,
                         trust=trust,
                         prefill=prefill,
+                        incremental=not full_prefill,
                     )
                 )
             r = results[-1]
@@ -161,6 +171,13 @@ def publish(
                         f"({_mb(r.uploaded_bytes)}), {r.reused_objects} reused, "
                         f"{r.seconds['total']:.1f} s{signed}"
                     )
+                    if r.prefix_from:
+                        after = escape(r.prefix_from)
+                        out.print(f"  prefilled {r.prefilled_tokens} of {r.token_count} tokens, "
+                                  f"after the unchanged prefix of {after}")  # fmt: skip
+                    elif r.full_prefill_reason:
+                        out.print(f"  prefilled from the first token: "
+                                  f"{escape(r.full_prefill_reason)}")  # fmt: skip
     if as_json:
         _emit_json([reports.published(r) for r in results])
 

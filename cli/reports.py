@@ -42,6 +42,9 @@ def published(r: PublishResult) -> dict[str, Any]:
         "level_bytes": dict(r.level_bytes),
         "seconds": dict(r.seconds),
         "signed_by": list(r.signed_by),
+        "prefilled_tokens": r.prefilled_tokens,
+        "prefix_from": r.prefix_from,
+        "full_prefill_reason": r.full_prefill_reason,
     }
 
 

@@ -34,12 +34,21 @@ from .codec import (
     TEXT_LEVEL,
     Level,
     check_level_names,
+    decode_chunk,
     encode_chunk,
     needs_profile,
     parse_levels,
 )
 from .codec_profile import CodecProfile
-from .errors import ConcurrentPublish, FormatError, InputError, NotFound, StoreError, TrustError
+from .errors import (
+    ConcurrentPublish,
+    FormatError,
+    InputError,
+    KvcdnError,
+    NotFound,
+    StoreError,
+    TrustError,
+)
 from .keys import (
     MAX_VERSION,
     check_name,
@@ -91,6 +100,12 @@ class PublishResult:
     level_bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     signed_by: list[str] = field(default_factory=list)  # key ids
+    #: Tokens the model computed: all of them, or those after an unchanged prefix.
+    prefilled_tokens: int = 0
+    #: "name@N level": the stored version whose KV of the unchanged prefix was used.
+    prefix_from: str | None = None
+    #: Why a new version of a document was prefilled from its first token.
+    full_prefill_reason: str | None = None
 
 
 def read_document(path: str | Path) -> str:
@@ -167,6 +182,7 @@ def publish(
     sign_keys: Sequence[SigningKey] = (),
     trust: TrustPolicy | None = None,
     prefill: Callable[[list[int]], torch.Tensor] | None = None,
+    incremental: bool = True,
 ) -> PublishResult:
     """Publish one document (a file ``path``, or ``text`` with a ``name``).
 
@@ -178,6 +194,12 @@ def publish(
     rotation). ``trust`` names other publishers whose versions and profiles
     this one may build on; a signing publisher always trusts its own keys.
     ``on_object(key)`` is called after each object is stored.
+
+    With ``incremental`` (the default), a new version whose leading chunks are
+    the previous version's is prefilled only from its first changed chunk, after
+    the unchanged prefix's KV read back from the store at its most exact level;
+    what cannot be used that way is prefilled whole, and the result says why
+    (``docs/incremental.md``).
     """
     started = time.perf_counter()
     text, name = document_and_name(path, text, name)
@@ -223,6 +245,9 @@ def publish(
     # uploaded or checked, and those a trusted earlier version names.
     stored: dict[tuple[str, str], ObjectRef] = {}
     freshened: set[str] = set()  # keys of objects this run names without uploading them
+    prefilled = 0  # tokens the model computed
+    prefix_from: str | None = None  # where the KV of an unchanged prefix came from
+    full_prefill_reason: str | None = None  # why an edit was prefilled from its start
     uploaded = 0
     uploaded_bytes = 0
     for _attempt in range(VERSION_ATTEMPTS):
@@ -275,11 +300,33 @@ def publish(
         if missing:
             if kv is None:
                 t = time.perf_counter()
-                progress("prefill", 0, len(ids))
-                kv = (prefill or loaded.prefill)(ids)
+                prefix = None
+                if incremental:
+                    prefix, why = _stored_prefix(store, previous, ids, missing, loaded,
+                                                 prefill, profile, stored)  # fmt: skip
+                    if prefix is None and why:
+                        full_prefill_reason = why
+                        log.info("%s: a full prefill (%s)", name, why)
+                        # an object found damaged or gone is no longer reused: encoded again
+                        missing = [(chunk, level) for chunk in chunks for level in chosen
+                                   if (chunk.hash, level.id) not in stored]  # fmt: skip
+                    if prefix is not None:
+                        seconds["prefix_decode"] = time.perf_counter() - t
+                        prefix_from = f"{previous.ref} {prefix[1]}"
+                start = 0 if prefix is None else prefix[0].shape[3]
+                progress("prefill", 0, len(ids) - start)
+                if prefix is None:
+                    kv = (prefill or loaded.prefill)(ids)
+                elif start == len(ids):  # a cut at the end: every token's KV is stored
+                    kv = prefix[0]
+                else:
+                    import torch
+
+                    kv = torch.cat([prefix[0], loaded.extend(prefix[0], ids[start:])], dim=3)
                 _check_prefill(kv, loaded, len(ids))
-                progress("prefill", len(ids), len(ids))
-                seconds["prefill"] = time.perf_counter() - t
+                prefilled = len(ids) - start
+                progress("prefill", prefilled, prefilled)
+                seconds["prefill"] = time.perf_counter() - t - seconds.get("prefix_decode", 0.0)
             t = time.perf_counter()
             t_encode = 0.0
 
@@ -354,7 +401,89 @@ def publish(
         level_bytes={n: lv.total_bytes for n, lv in manifest.levels.items() if n != TEXT_LEVEL},
         seconds=seconds,
         signed_by=signed_by,
+        prefilled_tokens=prefilled,
+        prefix_from=prefix_from,
+        full_prefill_reason=full_prefill_reason,
     )
+
+
+def _stored_prefix(
+    store: Store,
+    previous: Manifest | None,
+    ids: list[int],
+    missing: list,
+    loaded: LoadedModel,
+    prefill: Callable[[list[int]], torch.Tensor] | None,
+    profile: CodecProfile | None,
+    stored: dict[tuple[str, str], ObjectRef],
+) -> tuple[tuple[torch.Tensor, str] | None, str | None]:
+    """The KV of the longest run of leading tokens the new version shares with
+    ``previous``, read from the store at its most exact level, so that the model
+    prefills only what follows: ``((kv, level), None)``, or ``(None, why not)``
+    (``why`` None when the document has no previous version). An object found
+    damaged or gone is dropped from ``stored``, so that the publish stores it anew.
+
+    A token's KV depends only on the tokens up to it, so the previous version's
+    KV holds for every token before the first changed one, in the middle of a
+    chunk too. Every object is read bounded, checked against the manifest's
+    sha256 and must hold the chunk it is named for, before its KV is used."""
+    import torch
+
+    if previous is None:
+        return None, None
+    if previous.model_fingerprint != loaded.fingerprint:
+        return None, f"{previous.ref} holds KV of another model ({previous.model_name})"
+    old_ids = previous.token_ids
+    same = 0
+    for a, b in zip(old_ids, ids, strict=False):
+        if a != b:
+            break
+        same += 1
+    if same == 0:
+        return None, "no token is unchanged"
+    if prefill is not None:
+        return None, "another engine prefills; only the model's own prefill continues a prefix"
+    chunk_tokens = previous.chunk_tokens
+    if any(chunk.end <= same for chunk, _ in missing):
+        return None, "the unchanged chunks lack a level this publish asks for"
+    kept_levels = [n for n in previous.levels if n != TEXT_LEVEL]
+    level = min(kept_levels, key=lambda n: _exactness(previous.levels[n]))
+    entries = previous.chunks[: -(-same // chunk_tokens)]
+    if any(level not in c.objects for c in entries):
+        return None, f"{previous.ref} lacks level {level} for some chunks"
+    layout = loaded.layout
+    shape = (layout.layers, 2, layout.kv_heads, entries[-1].end, layout.head_dim)
+    kv = torch.empty(shape, dtype=torch.float32)
+    try:
+        codec_profile = profile
+        if previous.codec_profile is not None and (
+            profile is None or profile.sha256 != previous.codec_profile.sha256
+        ):
+            from .profile_store import load_profile
+
+            codec_profile = load_profile(store, previous.codec_profile)
+        for entry in entries:
+            ref = entry.objects[level]
+            try:
+                data = store.get(ref.key, max_bytes=ref.bytes, check=ref.check)
+            except (FormatError, NotFound):
+                stored.pop((entry.hash, previous.levels[level].id), None)
+                raise
+            header, _ = decode_chunk(
+                data, name=f"object {ref.key}", profile=codec_profile, verified=True,
+                out=kv[:, :, :, entry.start : entry.end],
+            )  # fmt: skip
+            if header.chunk_hash != entry.hash:
+                raise FormatError(f"object {ref.key} holds another chunk than its manifest says")
+    except (KvcdnError, ValueError) as exc:
+        return None, f"the stored prefix of {previous.ref} cannot be used: {exc}"
+    return (kv[:, :, :, :same], level), None
+
+
+def _exactness(level: LevelInfo) -> tuple[bool, float, float]:
+    """Orders stored levels from the most exact: fp16, then the smallest measured KL,
+    then the most bits per element."""
+    return (level.codec != "fp16", level.quality.get("kl", float("inf")), -level.bits_per_element)
 
 
 def _freshen_reused(
