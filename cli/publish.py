@@ -34,7 +34,7 @@ from .app import (
 
 
 @cli.command()
-@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @model_option
 @store_option
 @endpoint_option
@@ -72,6 +72,30 @@ from .app import (
     "started for the run (pip install 'kvcdn[vllm]'), whose KV kvcdn's connector captures.",
 )
 @click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Publish on a Ray cluster: documents fan out to actors that each load the model "
+    "once (one per GPU, or one per --threads CPUs). --ray alone starts a local cluster; "
+    "an address (127.0.0.1:6379, ray://...) joins one. (pip install 'kvcdn[ray]')",
+)
+@click.option(
+    "--actors",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --ray: publishing actors. [default: one per GPU, else one per --threads CPUs]",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --ray: PyTorch threads (and CPUs reserved) per CPU actor.",
+)
+@click.option(
     "--full-prefill",
     is_flag=True,
     help="Prefill a changed document from its first token, instead of continuing "
@@ -90,6 +114,9 @@ def publish(
     name: str | None,
     sign_key_files: tuple[Path, ...],
     engine: str,
+    ray_address: str | None,
+    actors: int | None,
+    threads: int,
     full_prefill: bool,
     trust_file: Path | None,
     device: str | None,
@@ -114,24 +141,61 @@ def publish(
     With --engine vllm the prefill runs in vLLM (bf16 on CPU) and the same
     manifest, ladder and objects are published; see docs/vllm.md.
 
+    PATH is a file, a folder (every file under it) or a glob pattern. With
+    --ray the documents fan out to actors on a Ray cluster: one progress bar
+    over the corpus, a document that fails is retried and named at the end
+    (exit code 1), and the model's codec profile is made once, first; see
+    docs/ray.md.
+
     \b
       kvcdn publish manual.md
       kvcdn publish *.md --store s3://bucket/kv --sign-key ~/.config/kvcdn/publisher.key
       kvcdn publish manual.md --engine vllm
+      kvcdn publish corpus/ --ray --store s3://bucket/kv
+      kvcdn publish corpus/ --ray 10.0.0.5:6379 --store s3://bucket/kv
     """
     from kvcdn.codec import check_level_names
     from kvcdn.models import load_model
-    from kvcdn.publish import document_and_name
+    from kvcdn.publish import document_and_name, expand_documents
     from kvcdn.publish import publish as do_publish
 
+    if ray_address and Path(ray_address).exists():
+        raise click.UsageError(
+            f"--ray took '{ray_address}' for a cluster address, but it is a path: put the "
+            f"documents before --ray, or write --ray= for a local cluster"
+        )
+    if not paths:
+        raise click.UsageError("Missing argument 'PATHS...': the documents to publish")
+    paths = tuple(expand_documents(paths))
     if name and len(paths) > 1:
         raise click.UsageError("--name works with one document only")
-    for path in paths:  # bad input and names fail before the model spends seconds loading
-        document_and_name(path, None, name)
+    named = [document_and_name(path, None, name) for path in paths]  # before the model loads
+    seen: dict[str, Path] = {}
+    for path, (_, doc_name) in zip(paths, named, strict=True):
+        if doc_name in seen:
+            raise click.UsageError(
+                f"{seen[doc_name]} and {path} would both be published as '{doc_name}'"
+            )
+        seen[doc_name] = path
+    if ray_address is None and (actors is not None or threads != 1):
+        raise click.UsageError("--actors and --threads go with --ray")
+    if ray_address is not None and engine == "vllm":
+        raise click.UsageError("--ray publishes with transformers actors; drop --engine vllm")
     check_level_names(levels)  # unknown level names fail here, before the model loads
     sign_keys = _signing_keys(sign_key_files)
     trust = _trust(trust_file)
     target = _open(store, endpoint_url, create=True)
+    if ray_address is not None:
+        from kvcdn.cluster import CorpusDocument, PublishSettings
+
+        settings = PublishSettings(
+            store=target.url, endpoint_url=endpoint_url, model=model, device=device,
+            levels=levels, chunk_tokens=chunk_tokens, sign_keys=tuple(sign_keys), trust=trust,
+            incremental=not full_prefill, threads=threads,
+        )  # fmt: skip
+        documents = [CorpusDocument(n, t, str(p)) for p, (t, n) in zip(paths, named, strict=True)]
+        _publish_on_ray(documents, settings, ray_address or None, actors, as_json)
+        return
     with ExitStack() as stack:
         with err.status("loading model…"):
             loaded = load_model(model, device)
@@ -180,6 +244,49 @@ def publish(
                                   f"{escape(r.full_prefill_reason)}")  # fmt: skip
     if as_json:
         _emit_json([reports.published(r) for r in results])
+
+
+def _publish_on_ray(documents: list, settings: Any, address: str | None, actors: int | None,
+                    as_json: bool) -> None:  # fmt: skip
+    """`kvcdn publish --ray`: one progress bar over the corpus, a summary, the failures."""
+    from kvcdn.cluster import publish_on_ray
+
+    with _progress(not as_json) as progress:
+        bar = progress.add_task("starting Ray and the actors' models", total=len(documents))
+
+        def ready(count: int) -> None:
+            progress.update(bar, description=f"publishing on {count} actor(s)")
+
+        def advance(outcome: Any) -> None:
+            progress.advance(bar)
+
+        report = publish_on_ray(documents, settings, address=address, actors=actors,
+                                on_outcome=advance, on_ready=ready)  # fmt: skip
+    if as_json:
+        _emit_json(reports.corpus(report))
+    else:
+        table = Table(title=f"{len(documents)} document(s) on {report.actors} actor(s)")
+        for col in ("document", "version", "tokens", "prefilled", "uploaded", "seconds", "actor"):
+            table.add_column(col, justify="left" if col == "document" else "right")
+        for o in report.outcomes:
+            r = o.result
+            if r is None:
+                continue
+            version = f"{r.version}" + (" (unchanged)" if r.unchanged else "")
+            table.add_row(escape(r.name), version, str(r.token_count), str(r.prefilled_tokens),
+                          _mb(r.uploaded_bytes), f"{o.seconds:.1f}", str(o.actor))  # fmt: skip
+        out.print(table)
+        done = len(report.outcomes) - len(report.failed)
+        per_min = 60 * done / max(report.seconds - report.setup_s, 1e-9)
+        out.print(f"{done} published in {report.seconds:.1f} s ({report.setup_s:.1f} s starting "
+                  f"actors; {per_min:.1f} documents/min after), {report.actor_restarts} actor "
+                  "restart(s)")  # fmt: skip
+    if report.failed:
+        for o in report.failed:
+            err.print(f"[bold red]failed:[/] {escape(o.document.source)} "
+                      f"({escape(o.document.name)}) after {o.attempts} attempt(s): "
+                      f"{escape(o.error or '')}", highlight=False, soft_wrap=True)  # fmt: skip
+        raise SystemExit(1)
 
 
 def _vllm_prefill(model: str | None, stack: ExitStack) -> Any:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvcdn.catalog import DocumentSummary
+    from kvcdn.cluster import CorpusReport
     from kvcdn.gc import Collection, Removal
     from kvcdn.manifest import Manifest, ObjectRef
     from kvcdn.model_cache import CachedModel
@@ -46,6 +47,28 @@ def published(r: PublishResult) -> dict[str, Any]:
         "prefix_from": r.prefix_from,
         "full_prefill_reason": r.full_prefill_reason,
     }
+
+
+def corpus(report: CorpusReport) -> dict[str, Any]:
+    """``kvcdn publish --ray``: every document's outcome, and how the run went."""
+    return {
+        "published": [
+            {**published(o.result), "source": o.document.source, "attempts": o.attempts,
+             "actor": o.actor, "seconds_in_actor": o.seconds}
+            for o in report.outcomes if o.result is not None
+        ],
+        "failed": [
+            {"name": o.document.name, "source": o.document.source, "error": o.error or "",
+             "attempts": o.attempts}
+            for o in report.failed
+        ],
+        "actors": report.actors,
+        "actor_restarts": report.actor_restarts,
+        "threads": report.threads,
+        "gpus_per_actor": report.gpus_per_actor,
+        "setup_s": report.setup_s,
+        "seconds": report.seconds,
+    }  # fmt: skip
 
 
 def calibrated(

@@ -122,6 +122,35 @@ def read_document(path: str | Path) -> str:
     return document_text(data, str(path))
 
 
+def expand_documents(paths: Sequence[str | Path]) -> list[Path]:
+    """The documents ``paths`` name, each once, in the order given: a file as is, a
+    folder as the files under it (recursively, sorted, hidden ones skipped), and a
+    glob pattern (``*``, ``?``, ``[``; ``**`` recurses) as its matches, for shells
+    that pass patterns through. A path that names nothing is an :class:`InputError`."""
+    import glob
+
+    found: dict[Path, None] = {}
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            files = sorted(
+                f for f in path.rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in
+                                           f.relative_to(path).parts)
+            )  # fmt: skip
+            if not files:
+                raise InputError(f"{path}: the folder holds no document")
+        elif path.exists() or not any(c in str(raw) for c in "*?["):
+            files = [path]  # a missing file is reported by name when it is read
+        else:
+            files = sorted(Path(f) for f in glob.glob(str(path), recursive=True))
+            files = [f for f in files if f.is_file()]
+            if not files:
+                raise InputError(f"{raw}: no file matches")
+        found.update(dict.fromkeys(files))
+    return list(found)
+
+
 def is_document_path(source: str) -> bool:
     """Whether ``source`` names a file on this machine (a text or a name never does:
     multi-line strings, strings longer than a path can be, and NUL bytes are not)."""

@@ -94,6 +94,12 @@ def parse_public_key(text: str, comment: str = "") -> PublicKey:
     return PublicKey(raw, comment)
 
 
+def _signing_key_from_raw(raw: bytes, comment: str) -> SigningKey:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return SigningKey(Ed25519PrivateKey.from_private_bytes(raw), comment)
+
+
 class SigningKey:
     """A publisher's private key."""
 
@@ -103,6 +109,17 @@ class SigningKey:
         self._private = private
         raw = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
         self.public = PublicKey(raw, comment)
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, str]]:
+        # Sent as its 32 raw bytes to the processes that publish with it (Ray actors).
+        from cryptography.hazmat.primitives.serialization import (
+            Encoding,
+            NoEncryption,
+            PrivateFormat,
+        )
+
+        raw = self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        return _signing_key_from_raw, (raw, self.public.comment)
 
     @classmethod
     def generate(cls, comment: str = "") -> SigningKey:

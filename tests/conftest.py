@@ -101,6 +101,24 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A real local Ray cluster of 2 CPUs for the session (as `kvcdn publish --ray` joins
+    one); its address lets CLI processes join it too."""
+    import logging
+
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvcdn[ray]')")
+    # Ray 2.60 writes a token to ~/.ray unless told not to; the tests keep to their tmp.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(
+        num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")), logging_level=logging.WARNING,
+        log_to_driver=False,
+    )  # fmt: skip
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def moto_endpoint(tmp_path_factory: pytest.TempPathFactory):
     """moto's S3 server on a real loopback HTTP port (as s3fs's own tests run it)."""
     from moto.server import ThreadedMotoServer

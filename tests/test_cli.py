@@ -188,6 +188,8 @@ def test_demo_runs_on_embedded_defaults(model, tmp_path):
         (["rm", "doc@0", "--store", "DIR"], "invalid version", 2),
         (["gc", "--grace", "soon", "--store", "DIR"], "is not a duration", 2),
         (["ls", "--after", "bad/name", "--store", "DIR"], "invalid document name", 2),
+        (["publish", "DOC", "--ray=127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1", 2),
+        (["publish", "DIR/none*.md"], "no file matches", 2),
     ],
 )
 def test_user_mistakes_get_one_line_and_an_exit_code(args, message, code, tmp_path, moto_endpoint):
