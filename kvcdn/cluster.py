@@ -101,10 +101,15 @@ class CorpusPublisher:
         from .models import load_model
         from .store import open_store
 
-        if settings.threads and (settings.device or "cpu") == "cpu":
+        if (settings.device or "cpu") == "cpu":
+            # This actor's own process gets the CPUs Ray reserved for it: PyTorch's
+            # threads and the codec's numba threads alike (numba would start one per
+            # core of the machine, whose spinning slows the other actors threefold).
+            import numba
             import torch
 
-            torch.set_num_threads(settings.threads)  # this actor's own process
+            torch.set_num_threads(settings.threads)
+            numba.set_num_threads(min(settings.threads, numba.config.NUMBA_NUM_THREADS))
         self.settings = settings
         self.loaded = load_model(settings.model, settings.device)
         self.store = open_store(settings.store, endpoint_url=settings.endpoint_url)

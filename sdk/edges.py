@@ -52,6 +52,9 @@ BAD_BYTES_DOWN_S = 60.0  # and after it served bad bytes, for this long
 PIECE = 64 << 10  # bodies are read in pieces of this size, reporting progress
 MIN_BODY_BPS = 32 << 10  # a body arriving slower than this on average is abandoned
 MAX_LISTING_BYTES = 16 << 20  # one page of a listing
+#: Keys per warm job: half of what an edge accepts in one request (100,000), so a
+#: corpus of any size is warmed in jobs every edge takes.
+WARM_BATCH_KEYS = 50_000
 
 
 class _EdgeFailed(Exception):
@@ -435,26 +438,41 @@ def plan_warm(
     edges: Sequence[str],
     levels: Sequence[str] | None = None,
     replicas: int = 1,
+    batch_keys: int = WARM_BATCH_KEYS,
 ) -> list[WarmAssignment]:
-    """Which keys each edge should hold so that readers find them where they look."""
+    """Which keys each edge should hold so that readers find them where they look:
+    one assignment (one warm job) per edge and per ``batch_keys`` keys, so that a
+    corpus of any size goes in requests an edge accepts."""
     edges = check_edges(edges)
     if not 1 <= replicas <= len(edges):
         raise InputError(f"replicas must be between 1 and the number of edges ({len(edges)})")
-    by_edge: dict[str, WarmAssignment] = {e: WarmAssignment(e, [], [], 0) for e in edges}
+    if batch_keys < 1:
+        raise InputError(f"a warm job holds 1 key or more (not {batch_keys})")
+    by_edge: dict[str, list[WarmAssignment]] = {e: [] for e in edges}
+    held: dict[str, set[str]] = {e: set() for e in edges}  # a shared profile once per edge
+
+    def add(edge: str, keys: list[str], size: int, ref: str | None) -> None:
+        new = [k for k in keys if k not in held[edge]]
+        if not new and ref is None:
+            return
+        jobs = by_edge[edge]
+        if not jobs or len(jobs[-1].keys) + len(new) > batch_keys:
+            jobs.append(WarmAssignment(edge, [], [], 0))
+        held[edge].update(new)
+        jobs[-1].keys += new
+        jobs[-1].bytes += size
+        if ref is not None:
+            jobs[-1].documents.append(ref)
+
     for manifest in manifests:
         ref = f"{manifest.name}@{manifest.version}"
         keys, size = warm_keys(manifest, levels)
         version_key = manifest_key(manifest.name, manifest.version)
         for edge in rendezvous(edges, manifest.name)[:replicas]:
-            by_edge[edge].keys.append(version_key)
+            add(edge, [version_key], 0, None)
         for edge in rendezvous(edges, manifest.chain_hash)[:replicas]:
-            target = by_edge[edge]
-            target.keys += keys
-            target.bytes += size
-            target.documents.append(ref)
-    for target in by_edge.values():
-        target.keys = list(dict.fromkeys(target.keys))  # a shared profile once per edge
-    return [t for t in by_edge.values() if t.keys]
+            add(edge, keys, size, ref)
+    return [job for e in edges for job in by_edge[e] if job.keys]
 
 
 class EdgeAdmin:
@@ -567,15 +585,17 @@ def warm_edges(
     wait: bool = True,
     poll_s: float = 0.2,
     on_progress: Callable[[WarmAssignment, int, int], None] | None = None,
+    batch_keys: int = WARM_BATCH_KEYS,
 ) -> list[WarmOutcome]:
-    """Ask each edge to hold the objects placed on it (:func:`plan_warm`) and,
-    with ``wait``, follow the jobs until every one has finished.
+    """Ask each edge to hold the objects placed on it (:func:`plan_warm`: one job
+    per edge and per ``batch_keys`` keys) and, with ``wait``, follow the jobs until
+    every one has finished.
 
     ``on_progress(assignment, done, total)`` is called as jobs advance. An
     edge that fails (unreachable, refused, nonsense) does not stop the others;
     its outcome says why.
     """
-    plan = plan_warm(manifests, edges, levels, replicas)
+    plan = plan_warm(manifests, edges, levels, replicas, batch_keys)
     admin = EdgeAdmin(admin_token)
     outcomes: list[WarmOutcome] = []
     for assignment in plan:

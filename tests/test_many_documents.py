@@ -41,21 +41,41 @@ def template(model, short_text):
     return read_manifest(store, "template")
 
 
-def _generated(template) -> dict[str, bytes]:
-    """Every key of the store: manifests (two versions for every 100th document),
-    pointers, one object per version, and orphan objects."""
-    level = template.levels["int8"].id
-    files: dict[str, bytes] = {}
+class Generated(dict):
+    """Every key of the generated store and its bytes; ``objects[(name, version)]`` is
+    the object that version names, ``orphans`` the objects none names."""
+
+    objects: dict[tuple[str, int], str]
+    orphans: set[str]
+
+
+def _generated(template) -> Generated:
+    """Manifests (two versions for every 100th document), pointers, one real chunk
+    container per version (int8 of one token: edges check what they cache), and
+    orphan containers."""
+    import torch
+
+    from kvcdn.codec import FIXED_LEVELS, encode_chunk
+
+    level = FIXED_LEVELS["int8"]
+    layout = template.kv_layout
+    kv = torch.zeros((layout["layers"], 2, layout["kv_heads"], 1, layout["head_dim"]))
+    files = Generated()
+    files.objects, files.orphans = {}, set()
+
+    def container(seed: bytes) -> tuple[str, ObjectRef, bytes]:
+        chunk_hash = hashlib.sha256(b"chunk " + seed).hexdigest()
+        data = encode_chunk(level, kv, chunk_hash)
+        sha = hashlib.sha256(data).hexdigest()
+        return chunk_hash, ObjectRef(object_key(chunk_hash, level.id, sha), len(data), sha), data
 
     def version(name: str, v: int) -> None:
-        data = f"{name}@{v}".encode()
-        sha = hashlib.sha256(data).hexdigest()
-        chunk_hash = hashlib.sha256(b"chunk " + data).hexdigest()
-        ref = ObjectRef(object_key(chunk_hash, level, sha), len(data), sha)
+        chunk_hash, ref, data = container(f"{name}@{v}".encode())
         chunk = dataclasses.replace(template.chunks[0], hash=chunk_hash, objects={"int8": ref})
         m = dataclasses.replace(template, name=name, version=v, chunks=[chunk])
         files[manifest_key(name, v)] = m.dumps()
         files[ref.key] = data
+        files.objects[name, v] = ref.key
 
     names = [f"man-{i:05d}" for i in range(DOCUMENTS)] + [f"zz-{i}" for i in range(OTHERS)]
     for i, name in enumerate(names):
@@ -64,14 +84,14 @@ def _generated(template) -> dict[str, bytes]:
             version(name, v)
         files[latest_key(name)] = pointer_bytes(name, last)
     for i in range(ORPHANS):
-        data = f"orphan {i}".encode()
-        sha = hashlib.sha256(data).hexdigest()
-        files[object_key(hashlib.sha256(data + b"x").hexdigest(), level, sha)] = data
+        _, ref, data = container(f"orphan {i}".encode())
+        files[ref.key] = data
+        files.orphans.add(ref.key)
     return files
 
 
 @pytest.fixture(scope="module")
-def files(template) -> dict[str, bytes]:
+def files(template) -> Generated:
     return _generated(template)
 
 
@@ -168,7 +188,7 @@ def test_ls_cli_pages(local_many):
 def test_gc_over_ten_thousand_documents_frees_exactly_the_orphans(local_many, files):
     # on a folder: through moto's server, reading 10,000 manifests takes a minute here
     store = local_many
-    orphans = {k for k, v in files.items() if v.startswith(b"orphan ")}
+    orphans = files.orphans
     report = collect(store, grace_s=3600, dry_run=True)
     assert set(report.deleted) == orphans
     versions = [k for k in files if "/versions/" in k]
@@ -180,11 +200,38 @@ def test_gc_over_ten_thousand_documents_frees_exactly_the_orphans(local_many, fi
     report = collect(store, keep=1, grace_s=3600)
     assert len(report.removal.versions) == len(seconds)  # the first of every pair
     removed_objects = {
-        k for k, v in files.items() if v.endswith(b"@1") and v.decode().split("@")[0]
-        in {r.split("@")[0] for r in report.removal.versions}
-    }  # fmt: skip
+        files.objects[name, int(v)] for name, v in (r.split("@") for r in report.removal.versions)
+    }
     assert set(report.deleted) == orphans | removed_objects
     left = set(store.list("objects/"))
     assert left == {k for k in files if k.startswith("objects/")} - orphans - removed_objects
     assert json.loads(store.get(latest_key("man-00100")))["version"] == 2
     assert Path(store.root, manifest_key("man-00100", 1)).exists() is False
+
+
+def test_warm_a_prefix_of_many_documents_through_a_real_edge(local_many, tmp_path):
+    from kvcdn.catalog import read_manifest
+    from kvcdn.sdk.edges import warm_edges
+    from tests.edge_helpers import EdgeProcess
+
+    edge = EdgeProcess(local_many.url, tmp_path / "cache", None).start()
+    try:
+        # the CLI finds the documents by listing and reads their manifests 16 at a time
+        result = run("warm", "--prefix", "man-00", "--edge", edge.url, "--store", local_many.url,
+                     "--json")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        report = parsed("warm", result.stdout)
+        assert report["ok"] and len(report["edges"]) == 1
+        row = report["edges"][0]
+        assert len(row["documents"]) == 1000  # man-00000 .. man-00999, latest versions
+        assert row["state"] == "done" and row["failed"] == 0
+        assert row["objects"] == 2000 and row["fetched"] == 2000  # a manifest and an object each
+
+        # a corpus larger than one job: one job per batch of keys, every one done
+        manifests = [read_manifest(local_many, f"man-01{i:03d}") for i in range(300)]
+        outcomes = warm_edges(manifests, [edge.url], batch_keys=64)
+        assert len(outcomes) == -(-600 // 64)
+        assert all(o.state == "done" and len(o.assignment.keys) <= 64 for o in outcomes)
+        assert sum(o.job.fetched for o in outcomes) == 600
+    finally:
+        edge.kill()
