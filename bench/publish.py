@@ -1,7 +1,7 @@
 """Publishing throughput: a corpus of man pages serially and on Ray actors, and what
 an edit of a document's last tenth costs against a full publish.
 
-    python bench/publish.py [--pages 12] [--chars 4000] [--levels LADDER] [--json OUT]
+    python bench/publish.py [--pages 12] [--chars 4000] [--rounds 3] [--json OUT]
 
 Corpus: the first ``--chars`` characters of ``--pages`` man pages, published into
 a fresh local store by each configuration, with the default ladder (the model's
@@ -13,7 +13,8 @@ codec profile is made first, outside the clock):
   Ray cluster of 2 CPUs started by this script; ``setup`` is Ray starting the
   actors and each loading its model, the rate is counted after it.
 
-Reported: documents per minute, seconds per document (wall, and inside the
+Every configuration runs ``--rounds`` times, interleaved; reported are the
+medians: documents per minute, seconds per document (wall, and inside the
 publish: tokenize, prefill, encode, upload), the Ray path's overhead per document
 against the serial path on the same threads, and the setup a fresh run pays.
 
@@ -28,6 +29,7 @@ the error the same level has after a full publish.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -177,7 +179,8 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=12)
     parser.add_argument("--chars", type=int, default=4000)
     parser.add_argument("--levels", default=LADDER)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="of the incremental publish")
+    parser.add_argument("--rounds", type=int, default=3, help="of every corpus configuration")
     parser.add_argument("--skip-ray", action="store_true")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
@@ -198,19 +201,27 @@ def main() -> int:
         ensure_profile(scratch, model)
         publish(text=man_page("cat"), name="warm", model=model, store=scratch, levels=args.levels)
 
-    rows = [serial(model, documents, args.levels, 1), serial(model, documents, args.levels, 2)]
-    if not args.skip_ray:
-        import ray
+    # Every configuration runs --rounds times, interleaved, so that a drift of the
+    # machine's speed over the run does not show as a difference between them.
+    runs: dict[str, list[dict]] = {}
+    with contextlib.ExitStack() as stack:
+        if not args.skip_ray:
+            import ray
 
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # this script's own Ray
-        with tempfile.TemporaryDirectory(prefix="kvcdn-bench-ray-") as tmp:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # this script's own Ray
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcdn-bench-ray-"))
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.WARNING, _temp_dir=tmp)  # fmt: skip
-            try:
+            stack.callback(ray.shutdown)
+        for _ in range(args.rounds):
+            for threads in (1, 2):
+                row = serial(model, documents, args.levels, threads)
+                runs.setdefault(row["config"], []).append(row)
+            if not args.skip_ray:
                 for actors, threads in ((1, 1), (1, 2), (2, 1)):
-                    rows.append(on_ray(documents, args.levels, actors, threads))
-            finally:
-                ray.shutdown()
+                    row = on_ray(documents, args.levels, actors, threads)
+                    runs.setdefault(row["config"], []).append(row)
+    rows = [_median_row(rs) for rs in runs.values()]
     incr = incremental(model, args.levels, args.repeats)
 
     tokens = rows[0]["tokens"]
@@ -254,6 +265,16 @@ def main() -> int:
     args.json.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.json}")
     return 0
+
+
+def _median_row(rows: list[dict]) -> dict:
+    """One configuration's rounds: the median of each figure, and every round's s/doc."""
+    out = dict(rows[0])
+    for key in ("setup_s", "seconds", "docs_per_min", "doc_s", "doc_median_s"):
+        out[key] = statistics.median(r[key] for r in rows)
+    out["stages"] = {s: statistics.median(r["stages"][s] for r in rows) for s in STAGES}
+    out["rounds_doc_s"] = [r["doc_s"] for r in rows]
+    return out
 
 
 def _print(rows: list[tuple]) -> None:

@@ -113,6 +113,12 @@ class CorpusPublisher:
         self.settings = settings
         self.loaded = load_model(settings.model, settings.device)
         self.store = open_store(settings.store, endpoint_url=settings.endpoint_url)
+        # One-off costs (PyTorch's first forward pass, the codec's compiled kernels)
+        # are paid while the actor starts, not by its first document.
+        from . import codec
+
+        self.loaded.warm_up()
+        codec.warm_up(self.loaded.device)
 
     def ready(self) -> int:
         return os.getpid()

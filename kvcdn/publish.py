@@ -224,9 +224,9 @@ def publish(
     this one may build on; a signing publisher always trusts its own keys.
     ``on_object(key)`` is called after each object is stored.
 
-    With ``incremental`` (the default), a new version whose leading chunks are
-    the previous version's is prefilled only from its first changed chunk, after
-    the unchanged prefix's KV read back from the store at its most exact level;
+    With ``incremental`` (the default), a new version that begins like the
+    previous one is prefilled only from its first changed token, after the
+    unchanged prefix's KV read back from the store at its most exact level;
     what cannot be used that way is prefilled whole, and the result says why
     (``docs/incremental.md``).
     """
@@ -473,6 +473,11 @@ def _stored_prefix(
     if prefill is not None:
         return None, "another engine prefills; only the model's own prefill continues a prefix"
     chunk_tokens = previous.chunk_tokens
+    # The objects are found by chunk hash: the manifest's tokens must be the ones its
+    # hashes chain (as a reader checks), or its KV could be another text's.
+    expected = split_chunks(previous.model_fingerprint, old_ids, chunk_tokens)
+    if [c.hash for c in expected] != [c.hash for c in previous.chunks]:
+        return None, f"{previous.ref}'s chunk hashes do not follow from its tokens"
     if any(chunk.end <= same for chunk, _ in missing):
         return None, "the unchanged chunks lack a level this publish asks for"
     kept_levels = [n for n in previous.levels if n != TEXT_LEVEL]

@@ -121,6 +121,19 @@ def test_what_cannot_be_continued_is_prefilled_whole_and_says_why(tmp_path, mode
     assert r.prefix_from is None and "another model" in r.full_prefill_reason
     assert r.prefilled_tokens == n_tokens
 
+    # a manifest whose tokens are not the ones its chunk hashes chain: its objects
+    # could hold another text's KV
+    store = open_store(str(tmp_path / "forged"))
+    publish(text=doc, name="sed", model=model, store=store, levels="fp16")
+    m = read_manifest(store, "sed")
+    second = m.chunks[1]
+    forged = dataclasses.replace(second, tokens=[*second.tokens[:5], second.tokens[5] + 1,
+                                                 *second.tokens[6:]])  # fmt: skip
+    chunks = [m.chunks[0], forged, *m.chunks[2:]]
+    store.put(manifest_key("sed", 1), dataclasses.replace(m, chunks=chunks).dumps())
+    r = publish(text=edited, name="sed", model=model, store=store, levels="fp16")
+    assert r.prefix_from is None and "do not follow from its tokens" in r.full_prefill_reason
+
     # asked for
     store = open_store(str(tmp_path / "asked"))
     publish(text=doc, name="sed", model=model, store=store, levels="fp16")
