@@ -86,7 +86,10 @@ def ls(prefix: str, limit: int | None, after: str | None, store: str | None,
         table.add_row(escape(d.name), str(d.latest), _versions_text(d.versions))
     out.print(table)
     if limit is not None and len(docs) == limit:
-        more = f"kvcdn ls {prefix} --limit {limit} --after {docs[-1].name}".replace("  ", " ")
+        import shlex
+
+        what = f"{shlex.quote(prefix)} " if prefix else ""
+        more = f"kvcdn ls {what}--limit {limit} --after {shlex.quote(docs[-1].name)}"
         out.print(f"more may follow: {escape(more)}")
 
 

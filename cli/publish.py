@@ -190,7 +190,8 @@ def publish(
 
         settings = PublishSettings(
             store=target.url, endpoint_url=endpoint_url, model=model, device=device,
-            levels=levels, chunk_tokens=chunk_tokens, sign_keys=tuple(sign_keys), trust=trust,
+            levels=levels, chunk_tokens=chunk_tokens,
+            signing=PublishSettings.signing_of(sign_keys), trust=trust,
             incremental=not full_prefill, threads=threads,
         )  # fmt: skip
         documents = [CorpusDocument(n, t, str(p)) for p, (t, n) in zip(paths, named, strict=True)]

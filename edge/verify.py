@@ -108,6 +108,8 @@ def verify(key: str, info: KeyInfo, data: bytes, trust: TrustPolicy | None) -> V
             if pointer.name != info.name:
                 raise VerifyError(f"{key} points at another document ({pointer.name})")
             return Verified(_etag(digest), immutable=False, version=pointer.version)
+        if info.kind == "removed":  # a publisher's record, read from the store itself
+            raise VerifyError(f"{key} is not served by edges")
         if info.kind in ("index", "prefix-index"):
             open_pointer(data, what=key)
         else:  # profile-pointer

@@ -56,6 +56,32 @@ def versions(store: Reader, name: str) -> list[int]:
     return sorted(found)
 
 
+def removed_version(store: Reader, name: str) -> int:
+    """The highest version of ``name`` that ``kvcdn rm`` removed (0: none): a publisher
+    numbers past it, so that no version number ever names two manifests."""
+    import json
+
+    key = keys.removed_key(name)
+    try:
+        data = store.get(key, max_bytes=MAX_POINTER_BYTES)
+    except NotFound:
+        return 0
+    try:
+        raw = json.loads(data)
+        version = raw["removed"]
+        if (
+            raw.get("name") != name
+            or type(version) is not int
+            or not 0 < version <= keys.MAX_VERSION
+        ):
+            raise ValueError("not a removal record of this document")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(
+            f"{key} is damaged ({exc}); delete it only if no version was removed"
+        ) from None
+    return version
+
+
 def latest_version(store: Reader, name: str) -> int | None:
     """The newest complete version, by listing (authoritative; the pointer may lag)."""
     found = versions(store, name)

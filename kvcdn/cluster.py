@@ -55,11 +55,20 @@ class PublishSettings:
     device: str | None = None
     levels: str = "nearlossless,high,default,low,lowest"
     chunk_tokens: int = 256
-    sign_keys: tuple[SigningKey, ...] = ()
+    #: Signing keys as (raw private key, name): sent to the actors, which sign.
+    signing: tuple[tuple[bytes, str], ...] = ()
     trust: TrustPolicy | None = None
     incremental: bool = True
     #: PyTorch threads per CPU actor (and the CPUs Ray reserves for it).
     threads: int = 1
+
+    @staticmethod
+    def signing_of(keys: Sequence[SigningKey]) -> tuple[tuple[bytes, str], ...]:
+        return tuple((k.private_raw(), k.public.comment) for k in keys)
+
+    @property
+    def sign_keys(self) -> tuple[SigningKey, ...]:
+        return tuple(SigningKey.from_raw(raw, comment) for raw, comment in self.signing)
 
 
 @dataclass
@@ -202,17 +211,23 @@ def publish_on_ray(
         gpus = int(resources.get("GPU", 0))
         device = settings.device or ("cuda" if gpus else "cpu")
         if device.startswith("cuda"):
+            if not gpus:
+                raise InputError(f"--device {device}, but the Ray cluster has no GPU")
             count, per_gpu = actors or max(1, gpus), 1.0
         else:
             cpus = int(resources.get("CPU", 1))
             count, per_gpu = actors or max(1, cpus // settings.threads), 0.0
+        _check_resources(resources, count, settings.threads, per_gpu)
         report.actors, report.gpus_per_actor = count, per_gpu
         remote = ray.remote(num_cpus=settings.threads if not per_gpu else 1, num_gpus=per_gpu)(
             CorpusPublisher
         )
         settings = dataclasses.replace(settings, device=device)
         pool = [remote.remote(settings) for _ in range(count)]
-        ray.get([a.ready.remote() for a in pool])  # models loaded before the clock of docs
+        try:  # models loaded before the clock of documents
+            ray.get([a.ready.remote() for a in pool])
+        except (RayActorError, RayTaskError) as exc:
+            raise KvcdnError(f"a publishing actor could not start: {_first_line(exc)}") from None
         report.setup_s = time.perf_counter() - started
         if on_ready is not None:
             on_ready(count)
@@ -244,9 +259,12 @@ def publish_on_ray(
                 outcome.error = f"its actor died: {_first_line(exc)}"
                 retry = outcome.attempts < MAX_ATTEMPTS
             except RayTaskError as exc:
+                # kvcdn's own errors other than the user's (a store that did not answer)
+                # may pass; anything else would fail the same way again
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                 outcome.error = str(cause) if isinstance(cause, KvcdnError) else repr(cause)
-                retry = not isinstance(cause, InputError) and outcome.attempts < MAX_ATTEMPTS
+                retry = (isinstance(cause, KvcdnError) and not isinstance(cause, InputError)
+                         and outcome.attempts < MAX_ATTEMPTS)  # fmt: skip
             if retry:
                 todo.insert(0, index)  # next, on this slot
             elif on_outcome is not None:
@@ -261,6 +279,22 @@ def publish_on_ray(
             ray.shutdown()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _check_resources(resources: dict[str, float], actors: int, threads: int, gpus: float
+                     ) -> None:  # fmt: skip
+    """Actors the cluster cannot place would wait for resources forever: refused now."""
+    if gpus:
+        have = resources.get("GPU", 0)
+        if actors * gpus > have:
+            raise InputError(f"{actors} GPU actor(s) need {actors * gpus:g} GPUs; the cluster "
+                             f"has {have:g} (use --actors, or --device cpu)")  # fmt: skip
+        return
+    have = resources.get("CPU", 0)
+    if actors * threads > have:
+        need = actors * threads
+        raise InputError(f"{actors} actor(s) of {threads} thread(s) need {need} CPUs; the "
+                         f"cluster has {have:g} (use fewer --actors or --threads)")  # fmt: skip
 
 
 def _check_reachable(address: str | None) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import keys
+from . import catalog, keys
 from .errors import FormatError, InputError, KvcdnError, NotFound
 from .manifest import (
     MAX_MANIFEST_BYTES,
@@ -112,6 +112,18 @@ def remove(store: Store, name: str, version: int | None = None, *, dry_run: bool
     return removal
 
 
+def _record_removed(store: Store, name: str, highest: int, removal: Removal, dry_run: bool
+                    ) -> None:  # fmt: skip
+    """Keep the highest removed version number, so that none is ever given twice: edges
+    and readers may still hold the removed manifest under its number."""
+    if highest <= catalog.removed_version(store, name):
+        return
+    key = keys.removed_key(name)
+    removal.keys.append(key)
+    if not dry_run:
+        store.put(key, json.dumps({"name": name, "removed": highest}).encode())
+
+
 def _versions(store: Store, name: str) -> dict[int, KeyStat]:
     found = {}
     for key, stat in store.list_stats(keys.versions_prefix(name)).items():
@@ -126,6 +138,7 @@ def _remove_versions(
     dry_run: bool,
 ) -> None:  # fmt: skip
     manifests = [_read_quietly(store, name, v) for v in doomed]
+    _record_removed(store, name, max(doomed), removal, dry_run)  # first: a crash keeps it
     for v in doomed:
         key = keys.manifest_key(name, v)
         if not dry_run:
@@ -135,9 +148,10 @@ def _remove_versions(
         removal.bytes += listed[v].size
     left = sorted(set(listed) - set(doomed))
     _repoint(store, name, set(doomed), left, removal, dry_run)
+    newest_left = _read_quietly(store, name, left[-1]) if left else None
     for manifest in manifests:
         if manifest is not None:
-            _drop_index_entries(store, manifest, removal, dry_run)
+            _drop_index_entries(store, manifest, newest_left, removal, dry_run)
 
 
 def _read_quietly(store: Store, name: str, version: int) -> Manifest | None:
@@ -173,12 +187,21 @@ def _repoint(
         store.delete(key)
 
 
-def _drop_index_entries(store: Store, manifest: Manifest, removal: Removal, dry_run: bool
-                        ) -> None:  # fmt: skip
+def _index_entries(manifest: Manifest) -> list[str]:
     entries = [keys.source_index_key(manifest.model_fingerprint, manifest.source_sha256)]
-    if manifest.chunks:
+    if manifest.chunks and manifest.chunks[0].end == manifest.chunk_tokens:
         entries.append(keys.prefix_index_key(manifest.model_fingerprint, manifest.chunks[0].hash))
-    for key in entries:
+    return entries
+
+
+def _drop_index_entries(
+    store: Store, manifest: Manifest, newest_left: Manifest | None, removal: Removal,
+    dry_run: bool,
+) -> None:  # fmt: skip
+    """The index entries that named ``manifest``: pointed at the newest version left
+    when it has the same entry (same text, or same first chunk), else deleted."""
+    heir = set(_index_entries(newest_left)) if newest_left is not None else set()
+    for key in _index_entries(manifest):
         try:
             pointer = open_pointer(store.get(key, max_bytes=MAX_POINTER_BYTES), what=key)
         except (NotFound, FormatError):
@@ -186,7 +209,12 @@ def _drop_index_entries(store: Store, manifest: Manifest, removal: Removal, dry_
         if (pointer.name, pointer.version) != (manifest.name, manifest.version):
             continue  # another version took the entry over
         removal.keys.append(key)
-        if not dry_run:
+        if dry_run:
+            continue
+        if key in heir:
+            assert newest_left is not None
+            store.put(key, pointer_bytes(newest_left.name, newest_left.version))
+        else:
             store.delete(key)
 
 
@@ -225,11 +253,11 @@ def collect(
     referenced |= _current_profiles(store)
 
     candidates: dict[str, KeyStat] = {}
-    for prefix in (keys.OBJECTS_PREFIX, keys.PROFILES_PREFIX, "tmp/"):
+    for prefix in (keys.OBJECTS_PREFIX, keys.PROFILES_PREFIX, keys.CLOCK_PREFIX):
         for key, stat in store.list_stats(prefix).items():
             info = keys.parse_key(key)
             ours = info is not None and info.kind in ("object", "profile")
-            if (ours or key.startswith("tmp/")) and key not in referenced:
+            if (ours or key.startswith(keys.CLOCK_PREFIX)) and key not in referenced:
                 if stat.modified < cutoff:
                     candidates[key] = stat
                 else:
@@ -270,12 +298,19 @@ def collect(
 
 
 def _documents(store: Store) -> dict[str, dict[int, KeyStat]]:
-    """Every document's versions, from one listing of ``docs/``."""
+    """Every document's versions, from one listing of ``docs/``. A key where versions
+    live that is not a manifest key this kvcdn knows stops gc: it may be a version
+    (of a newer kvcdn, say) whose objects must not be taken for unreferenced."""
     found: dict[str, dict[int, KeyStat]] = {}
     for key, stat in store.list_stats(keys.DOCS_PREFIX).items():
         info = keys.parse_key(key)
         if info is not None and info.kind == "manifest":
             found.setdefault(info.name, {})[info.version] = stat
+        elif info is None and "/versions/" in key:
+            raise ReferencesUnknown(
+                f"{key} is not a manifest key this kvcdn knows; nothing was deleted, since "
+                "what it names is unknown (remove it, or collect with the kvcdn that wrote it)"
+            )
     return found
 
 

@@ -10,6 +10,7 @@ spelling of each kind (specified in ``docs/manifest.md``):
 | ``profile`` | ``profiles/{fp[:16]}/{sha256}.safetensors`` |
 | ``manifest`` | ``docs/{name}/versions/{N:06d}.json`` |
 | ``pointer`` | ``docs/{name}/latest.json`` |
+| ``removed`` | ``docs/{name}/removed.json`` (the highest version ``kvcdn rm`` removed) |
 | ``profile-pointer`` | ``profiles/{fp[:16]}/current.json`` |
 | ``index`` | ``index/sources/{fp[:16]}/{sha256}.json`` |
 | ``prefix-index`` | ``index/prefixes/{fp[:16]}/{h}.json`` (``h``: the first chunk's chain hash) |
@@ -47,6 +48,8 @@ MAX_KEY_LENGTH = 1024
 MAX_VERSION = 999_999_999_999
 
 DOCS_PREFIX = "docs/"
+#: Where :meth:`kvcdn.store.Store.now` writes (and at once deletes) its clock keys.
+CLOCK_PREFIX = "tmp/clock/"
 OBJECTS_PREFIX = "objects/"
 PROFILES_PREFIX = "profiles/"
 
@@ -123,6 +126,11 @@ def latest_key(name: str) -> str:
     return f"docs/{name}/latest.json"
 
 
+def removed_key(name: str) -> str:
+    """Where ``kvcdn rm`` records the highest version it removed: never numbered again."""
+    return f"docs/{name}/removed.json"
+
+
 def source_index_key(fingerprint: str, source_sha256: str) -> str:
     return f"index/sources/{fingerprint[:16]}/{source_sha256}.json"
 
@@ -148,7 +156,7 @@ def profile_pointer_key(fingerprint: str) -> str:
 class KeyInfo:
     """What a key names. Fields a kind does not have are empty."""
 
-    kind: str  # object, profile, manifest, pointer, profile-pointer, index, prefix-index
+    kind: str  # object, profile, manifest, pointer, removed, profile-pointer, index, prefix-index
     name: str = ""  # manifest, pointer
     version: int = 0  # manifest
     chunk_hash: str = ""  # object, prefix-index (the first chunk's)
@@ -159,7 +167,7 @@ class KeyInfo:
     @property
     def mutable(self) -> bool:
         """Pointers change; everything else is written once."""
-        return self.kind in ("pointer", "profile-pointer", "index", "prefix-index")
+        return self.kind in ("pointer", "removed", "profile-pointer", "index", "prefix-index")
 
 
 _OBJECT = re.compile(rf"^objects/([0-9a-f]{{2}})/({_HEX64})/({LEVEL_ID_PATTERN})\.({_HEX64})\.kvc$")
@@ -169,6 +177,7 @@ _INDEX = re.compile(rf"^index/sources/({_HEX16})/({_HEX64})\.json$")
 _PREFIX_INDEX = re.compile(rf"^index/prefixes/({_HEX16})/({_HEX64})\.json$")
 _MANIFEST = re.compile(r"^docs/([^/]+)/versions/([0-9]{6,12})\.json$")
 _POINTER = re.compile(r"^docs/([^/]+)/latest\.json$")
+_REMOVED = re.compile(r"^docs/([^/]+)/removed\.json$")
 
 
 def parse_key(key: str) -> KeyInfo | None:
@@ -194,11 +203,11 @@ def parse_key(key: str) -> KeyInfo | None:
         if not 1 <= version <= MAX_VERSION or manifest_key(name, version) != key:
             return None
         return KeyInfo("manifest", name=name, version=version)
-    if m := _POINTER.match(key):
+    if m := _POINTER.match(key) or _REMOVED.match(key):
         name = m.group(1)
         if _name_problem(name) or unicodedata.normalize("NFC", name) != name:
             return None
-        return KeyInfo("pointer", name=name)
+        return KeyInfo("pointer" if key.endswith("/latest.json") else "removed", name=name)
     return None
 
 

@@ -280,7 +280,8 @@ def publish(
     uploaded = 0
     uploaded_bytes = 0
     for _attempt in range(VERSION_ATTEMPTS):
-        latest = catalog.latest_version(store, name) or 0
+        # a removed version's number is never given again (edges and readers may hold it)
+        latest = max(catalog.latest_version(store, name) or 0, catalog.removed_version(store, name))
         if latest >= MAX_VERSION:
             raise StoreError(
                 f"{store.url} lists {manifest_key(name, latest)}: no version can follow it; "
@@ -291,6 +292,7 @@ def publish(
             previous is not None
             and _same_publication(previous, src_sha, fingerprint, chunk_tokens, chosen)
             and _signed_as_asked(previous, sign_keys)
+            and _all_stored(store, previous)
         ):
             _advance_pointer(store, name, previous.version, sign_keys, trust)
             _write_indexes(store, previous)
@@ -332,7 +334,7 @@ def publish(
                 prefix = None
                 if incremental:
                     prefix, why = _stored_prefix(store, previous, ids, missing, loaded,
-                                                 prefill, profile, stored)  # fmt: skip
+                                                 prefill, profile, stored, chosen)  # fmt: skip
                     if prefix is None and why:
                         full_prefill_reason = why
                         log.info("%s: a full prefill (%s)", name, why)
@@ -351,7 +353,8 @@ def publish(
                 else:
                     import torch
 
-                    kv = torch.cat([prefix[0], loaded.extend(prefix[0], ids[start:])], dim=3)
+                    tail = loaded.extend(prefix[0], ids[start:])  # on the model's device
+                    kv = torch.cat([prefix[0].to(tail.device, tail.dtype), tail], dim=3)
                 _check_prefill(kv, loaded, len(ids))
                 prefilled = len(ids) - start
                 progress("prefill", prefilled, prefilled)
@@ -445,6 +448,7 @@ def _stored_prefix(
     prefill: Callable[[list[int]], torch.Tensor] | None,
     profile: CodecProfile | None,
     stored: dict[tuple[str, str], ObjectRef],
+    levels: list[Level],
 ) -> tuple[tuple[torch.Tensor, str] | None, str | None]:
     """The KV of the longest run of leading tokens the new version shares with
     ``previous``, read from the store at its most exact level, so that the model
@@ -482,6 +486,15 @@ def _stored_prefix(
         return None, "the unchanged chunks lack a level this publish asks for"
     kept_levels = [n for n in previous.levels if n != TEXT_LEVEL]
     level = min(kept_levels, key=lambda n: _exactness(previous.levels[n]))
+    # The chunk holding the first changed token is encoded again from the stored KV
+    # of its first part, at every level asked for: the stored level must be at least
+    # as exact as each of them (an int8 prefix must not become "fp16" objects).
+    stored_kl = _kl(previous.levels[level].codec, previous.levels[level].quality)
+    for wanted in levels:
+        if wanted.name != level and stored_kl > _kl(wanted.codec, _level_quality(wanted, profile)):
+            return None, (
+                f"{previous.ref}'s most exact level, {level}, is less exact than {wanted.name}"
+            )
     entries = previous.chunks[: -(-same // chunk_tokens)]
     if any(level not in c.objects for c in entries):
         return None, f"{previous.ref} lacks level {level} for some chunks"
@@ -512,6 +525,11 @@ def _stored_prefix(
     except (KvcdnError, ValueError) as exc:
         return None, f"the stored prefix of {previous.ref} cannot be used: {exc}"
     return (kv[:, :, :, :same], level), None
+
+
+def _kl(codec: str, quality: dict[str, float]) -> float:
+    """A level's measured KL against exact KV: 0 for fp16, unknown (inf) when unmeasured."""
+    return 0.0 if codec == "fp16" else quality.get("kl", float("inf"))
 
 
 def _exactness(level: LevelInfo) -> tuple[bool, float, float]:
@@ -548,6 +566,27 @@ def _freshen_reused(
                     store.url)  # fmt: skip
         del stored[item]
     freshened.update(stored[item].key for item in todo if item in stored)
+
+
+def _all_stored(store: Store, manifest: Manifest) -> bool:
+    """Whether every object ``manifest`` names is stored (each freshened: it is named
+    again). One that is gone (a gc that ran beside the publish that made the version)
+    makes the same text a new version that stores it anew."""
+    keys = sorted({ref.key for c in manifest.chunks for ref in c.objects.values()})
+
+    def present(key: str) -> bool:
+        try:
+            store.freshen(key)
+        except NotFound:
+            return False
+        return True
+
+    with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
+        gone = [key for key, ok in zip(keys, pool.map(present, keys), strict=True) if not ok]
+    if gone:
+        log.warning("%s names %d object(s) that are gone (first: %s); publishing it again",
+                    manifest.ref, len(gone), gone[0])  # fmt: skip
+    return not gone
 
 
 def _check_still_stored(store: Store, manifest: Manifest, freshened: set[str]) -> None:

@@ -94,12 +94,6 @@ def parse_public_key(text: str, comment: str = "") -> PublicKey:
     return PublicKey(raw, comment)
 
 
-def _signing_key_from_raw(raw: bytes, comment: str) -> SigningKey:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    return SigningKey(Ed25519PrivateKey.from_private_bytes(raw), comment)
-
-
 class SigningKey:
     """A publisher's private key."""
 
@@ -110,16 +104,22 @@ class SigningKey:
         raw = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
         self.public = PublicKey(raw, comment)
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes, str]]:
-        # Sent as its 32 raw bytes to the processes that publish with it (Ray actors).
+    def private_raw(self) -> bytes:
+        """The key's 32 raw private bytes, for a process of this publisher's that signs
+        (a Ray actor): keep them as secret as the key file."""
         from cryptography.hazmat.primitives.serialization import (
             Encoding,
             NoEncryption,
             PrivateFormat,
         )
 
-        raw = self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-        return _signing_key_from_raw, (raw, self.public.comment)
+        return self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+
+    @classmethod
+    def from_raw(cls, raw: bytes, comment: str = "") -> SigningKey:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        return cls(Ed25519PrivateKey.from_private_bytes(raw), comment)
 
     @classmethod
     def generate(cls, comment: str = "") -> SigningKey:

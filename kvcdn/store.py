@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 
-from . import paths
+from . import keys, paths
 from .errors import FormatError, InputError, NotFound, StoreError
 
 log = logging.getLogger(__name__)
@@ -384,7 +384,7 @@ class Store:
         """The store's clock (seconds since the epoch), which stamps modification
         times: read from a key written and deleted for the purpose, so that a
         publisher's or gc's own clock being off does not matter."""
-        key = f"tmp/clock/{uuid.uuid4().hex}"
+        key = f"{keys.CLOCK_PREFIX}{uuid.uuid4().hex}"
         self.put(key, b"")
         try:
             return self.stat(key).modified

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvcdn import sdk
-from kvcdn.catalog import find_by_source, read_manifest, read_pointer, versions
+from kvcdn.catalog import find_by_prefix, find_by_source, read_manifest, read_pointer, versions
 from kvcdn.errors import InputError, NotFound
 from kvcdn.gc import ReferencesUnknown, collect, remove
 from kvcdn.keys import latest_key, parse_key, prefix_index_key, source_index_key
@@ -147,6 +147,11 @@ def test_rm_then_gc_frees_exactly_what_no_version_names(store, model, sed_text):
     # the model's codec profile is kept: doc@2 and the model's pointer name it
     assert v2.codec_profile is not None and store.stat(v2.codec_profile.key).size > 0
 
+    # a removed version's number is never given again
+    again = publish(text=sed_text[9000:11000], name="other", model=model, store=store,
+                    levels=LADDER)  # fmt: skip
+    assert again.version == 2 and versions(store, "other") == [2]
+
     with pytest.raises(NotFound, match="has no version 7"):
         remove(store, "doc", 7)
     with pytest.raises(NotFound, match="no document named 'nothing'"):
@@ -231,3 +236,39 @@ def test_gc_refuses_to_guess_past_an_unreadable_manifest(tmp_path, model, short_
     remove(store, "broken")  # an unreadable version can still be removed
     assert collect(store, grace_s=0).deleted == []
     assert source_digest(short_text) == read_manifest(store, "doc").source_sha256
+
+
+def test_removing_the_newest_version_hands_its_index_entries_down(tmp_path, model, sed_text):
+    store = open_store(str(tmp_path / "store"))
+    publish(text=sed_text[:2600], name="doc", model=model, store=store, levels="int8")
+    publish(text=sed_text[:2600] + sed_text[5000:5600], name="doc", model=model, store=store,
+            levels="int8")  # fmt: skip
+    v1 = read_manifest(store, "doc", 1)
+    assert find_by_prefix(store, model.fingerprint, v1.chunks[0].hash).version == 2
+    remove(store, "doc", 2)
+    assert find_by_prefix(store, model.fingerprint, v1.chunks[0].hash).version == 1
+    assert read_pointer(store, "doc").version == 1
+    assert publish(text=sed_text[:900], name="doc", model=model, store=store,
+                   levels="int8").version == 3  # fmt: skip
+
+
+def test_an_unchanged_republish_restores_an_object_gone_meanwhile(tmp_path, model, short_text):
+    store = open_store(str(tmp_path / "store"))
+    publish(text=short_text, name="doc", model=model, store=store, levels="int8")
+    ref = read_manifest(store, "doc").chunks[-1].objects["int8"]
+    store.delete(ref.key)  # a gc beside the publish that made doc@1 (docs/gc.md)
+    again = publish(text=short_text, name="doc", model=model, store=store, levels="int8")
+    assert not again.unchanged and again.version == 2 and again.uploaded_objects == 1
+    store.get(ref.key, check=ref.check)
+    assert publish(text=short_text, name="doc", model=model, store=store,
+                   levels="int8").unchanged  # fmt: skip
+
+
+def test_gc_stops_at_a_versions_key_it_does_not_know(tmp_path, model, short_text):
+    store = open_store(str(tmp_path / "store"))
+    publish(text=short_text, name="doc", model=model, store=store, levels="int8")
+    store.put("docs/doc/versions/v7.json", b"{}")  # a newer kvcdn's, say
+    before = _stored_objects(store)
+    with pytest.raises(ReferencesUnknown, match="not a manifest key"):
+        collect(store, grace_s=0)
+    assert _stored_objects(store) == before

@@ -97,6 +97,14 @@ def test_what_cannot_be_continued_is_prefilled_whole_and_says_why(tmp_path, mode
     assert r.prefix_from is None and "lack a level" in r.full_prefill_reason
     assert r.prefilled_tokens == n_tokens
 
+    # a prefix less exact than a level asked for: the chunk holding the edit would be
+    # re-encoded at fp16 from int8-rounded KV
+    store = open_store(str(tmp_path / "exact"))
+    short = sed_text[:700]
+    publish(text=short, name="sed", model=model, store=store, levels="int8")
+    r = publish(text=short + " And more.", name="sed", model=model, store=store, levels="fp16")
+    assert r.prefix_from is None and "less exact than fp16" in r.full_prefill_reason
+
     # a stored object that fails its check: prefilled whole, and the object stored anew
     store = open_store(str(tmp_path / "damaged"))
     publish(text=doc, name="sed", model=model, store=store, levels="fp16")
@@ -153,6 +161,7 @@ def test_cut_or_grown_documents(tmp_path, model, sed_text, change):
     assert r.prefix_from == "sed@1 fp16"
     assert r.prefilled_tokens == len(ids) - _same_prefix(model.document_ids(doc), ids)
     ctx = sdk.load_context("sed", model=model, store=store, quality="fp16")
-    assert ctx.generate(QUESTION, max_new_tokens=8).token_ids == ctx.answer_with_prefill(
-        QUESTION, max_new_tokens=8
-    ).token_ids
+    assert (
+        ctx.generate(QUESTION, max_new_tokens=8).token_ids
+        == ctx.answer_with_prefill(QUESTION, max_new_tokens=8).token_ids
+    )

@@ -149,3 +149,14 @@ def test_without_ray_the_cli_says_how_to_get_it(corpus, tmp_path):
                             timeout=300)  # fmt: skip
     assert result.returncode == 2
     assert "pip install 'kvcdn[ray]'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_actors_the_cluster_cannot_place_are_refused(ray_cluster, corpus, tmp_path):
+    from kvcdn.errors import InputError
+
+    documents = _documents(corpus)[:1]
+    settings = PublishSettings(store=str(tmp_path / "store"), levels="int8", threads=1)
+    with pytest.raises(InputError, match="need 3 CPUs; the cluster has 2"):
+        publish_on_ray(documents, settings, actors=3)
+    with pytest.raises(InputError, match="has no GPU"):
+        publish_on_ray(documents, dataclasses.replace(settings, device="cuda"))
