@@ -17,12 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvcdn import sdk
 from kvcdn.catalog import read_manifest, read_pointer, versions
-from kvcdn.keys import parse_key
 from kvcdn.publish import publish, source_digest
 from kvcdn.store import open_store
-from tests.conftest import s3_target
+from tests.conftest import all_intact, s3_target
 
 LEVELS = "int8,fp16"
 
@@ -61,29 +59,12 @@ def _publish_all(model, store, jobs: list[tuple[str, str]]):
         return [f.result() for f in futures]
 
 
-def _all_intact(store, model) -> int:
-    """Every version of every document loads, and every object it names is whole."""
-    checked = 0
-    for key in store.list("docs/"):
-        info = parse_key(key)
-        if info is None or info.kind != "manifest":
-            continue
-        manifest = read_manifest(store, info.name, info.version)
-        for chunk in manifest.chunks:
-            for ref in chunk.objects.values():
-                store.get(ref.key, max_bytes=ref.bytes, check=ref.check)
-        ctx = sdk.load_context(manifest.ref, model=model, store=store, quality="int8")
-        assert ctx.token_ids == manifest.token_ids
-        checked += 1
-    return checked
-
-
 def test_two_documents_sharing_a_prefix(store, model, sed_text):
     shared = sed_text[:3000]
     a, b = shared + sed_text[3000:3600], shared + sed_text[6000:6600]
     results = _publish_all(model, store, [("alpha", a), ("beta", b)])
     assert [r.version for r in results] == [1, 1]
-    assert _all_intact(store, model) == 2
+    assert all_intact(store, model) == 2
     alpha, beta = read_manifest(store, "alpha"), read_manifest(store, "beta")
     shared_chunks = [
         (c, d) for c, d in zip(alpha.chunks, beta.chunks, strict=False) if c.hash == d.hash
@@ -100,7 +81,7 @@ def test_one_text_under_two_names_at_once_shares_every_object(store, model, shor
     assert [r.version for r in results] == [1, 1]
     first, second = read_manifest(store, "first"), read_manifest(store, "second")
     assert [c.objects for c in first.chunks] == [c.objects for c in second.chunks]
-    assert _all_intact(store, model) == 2
+    assert all_intact(store, model) == 2
 
 
 def test_two_versions_of_one_name_at_once(store, model, sed_text):
@@ -111,7 +92,7 @@ def test_two_versions_of_one_name_at_once(store, model, sed_text):
     assert read_pointer(store, "doc").version == 2
     published = {read_manifest(store, "doc", v).source_sha256 for v in (1, 2)}
     assert published == {source_digest(t) for t in texts}
-    assert _all_intact(store, model) == 2
+    assert all_intact(store, model) == 2
 
 
 def test_the_same_text_published_twice_at_once(store, model, short_text):
@@ -119,7 +100,7 @@ def test_the_same_text_published_twice_at_once(store, model, short_text):
     assert [r.version for r in results] == [1, 1]
     assert sorted(r.unchanged for r in results) == [False, True]
     assert versions(store, "same") == [1]
-    assert _all_intact(store, model) == 1
+    assert all_intact(store, model) == 1
 
 
 def test_two_publish_processes_at_once(model, sed_text, tmp_path):
@@ -144,4 +125,4 @@ def test_two_publish_processes_at_once(model, sed_text, tmp_path):
         assert proc.returncode == 0, stderr
     store = open_store(str(root))
     assert versions(store, "guide") == [1, 2]
-    assert _all_intact(store, model) == 2
+    assert all_intact(store, model) == 2

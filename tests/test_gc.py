@@ -18,7 +18,7 @@ from kvcdn.gc import ReferencesUnknown, collect, remove
 from kvcdn.keys import latest_key, parse_key, prefix_index_key, source_index_key
 from kvcdn.publish import publish, source_digest
 from kvcdn.store import open_store
-from tests.conftest import s3_target
+from tests.conftest import all_intact, s3_target
 
 LEVELS = "int8,fp16"
 LADDER = "default,fp16"  # a ladder level: the store holds the model's codec profile too
@@ -35,25 +35,6 @@ def store(request, tmp_path):
         return
     for target in s3_target(request, request.param):
         yield open_store(target.url(), endpoint_url=target.endpoint)
-
-
-def _all_intact(store, model) -> int:
-    """Every version of every document loads, and every object it names is whole."""
-    checked = 0
-    for key in store.list("docs/"):
-        info = parse_key(key)
-        if info is None or info.kind != "manifest":
-            continue
-        manifest = read_manifest(store, info.name, info.version)
-        for chunk in manifest.chunks:
-            for ref in chunk.objects.values():
-                store.get(ref.key, max_bytes=ref.bytes, check=ref.check)
-        level = next(lv for lv in manifest.levels if lv != "text")
-        ctx = sdk.load_context(manifest.ref, model=model, store=store, quality=level)
-        assert ctx.token_ids == manifest.token_ids
-        assert set(ctx.plan.chunk_levels) == {level}  # loaded, not recomputed
-        checked += 1
-    return checked
 
 
 def _objects(manifest) -> set[str]:
@@ -130,7 +111,7 @@ def test_rm_then_gc_frees_exactly_what_no_version_names(store, model, sed_text):
     assert set(done.deleted) == only_v1
     assert done.freed_bytes == sum(stored[k] for k in only_v1)
     assert set(_stored_objects(store)) == set(stored) - only_v1
-    assert _all_intact(store, model) == 2  # doc@2 and other load, every object whole
+    assert all_intact(store, model) == 2  # doc@2 and other load, every object whole
 
     # the whole document: its pointer and index entries go, then its own objects
     removal = remove(store, "other")
@@ -191,7 +172,7 @@ def test_a_publish_beside_gc_stays_readable(store, model, short_text):
     assert republished and republished[0].uploaded_objects == 0  # every object was reused
     assert report.kept_freshened == len(named) and report.deleted == []
     assert _objects(read_manifest(store, "doc")) == named
-    assert _all_intact(store, model) == 1
+    assert all_intact(store, model) == 1
 
     # a publish held with its objects stored and its manifest not yet created: gc,
     # which sees no version naming them, keeps them because the publish freshened them
@@ -206,7 +187,7 @@ def test_a_publish_beside_gc_stays_readable(store, model, short_text):
     publish(text=short_text, name="doc", model=model, store=store, levels=LEVELS,
             progress=gc_while_held)  # fmt: skip
     assert held[0].deleted == [] and held[0].kept_young >= len(named)
-    assert _all_intact(store, model) == 1
+    assert all_intact(store, model) == 1
     ctx = sdk.load_context("doc", model=model, store=store, quality="int8")
     assert ctx.token_ids == model.document_ids(short_text)
 
@@ -221,7 +202,7 @@ def test_a_publish_reusing_a_collected_object_uploads_it_again(tmp_path, model, 
                      store=store, levels="int8")  # fmt: skip
     assert result.version == 2
     assert store.stat(gone).size == first.chunks[0].objects["int8"].bytes
-    assert _all_intact(store, model) == 2  # doc@2 whole, and doc@1 again
+    assert all_intact(store, model) == 2  # doc@2 whole, and doc@1 again
 
 
 def test_gc_refuses_to_guess_past_an_unreadable_manifest(tmp_path, model, short_text):

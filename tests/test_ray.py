@@ -160,3 +160,26 @@ def test_actors_the_cluster_cannot_place_are_refused(ray_cluster, corpus, tmp_pa
         publish_on_ray(documents, settings, actors=3)
     with pytest.raises(InputError, match="has no GPU"):
         publish_on_ray(documents, dataclasses.replace(settings, device="cuda"))
+
+
+def test_a_document_that_fails_is_named_and_the_rest_published(ray_cluster, corpus, tmp_path):
+    # the whole bash manual is longer than the model's context: a user mistake, not retried
+    long_doc = tmp_path / "bash.txt"
+    long_doc.write_text(
+        subprocess.run("man -P cat bash | col -bx", shell=True, capture_output=True, text=True,
+                       check=True, env={"MANWIDTH": "80", "PATH": "/usr/bin:/bin"}).stdout
+    )  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcdn.cli.main", "publish", str(corpus / "sed.txt"),
+         str(long_doc), "--levels", "int8", "--ray", ray_cluster, "--actors", "1",
+         "--store", str(tmp_path / "store"), "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 1
+    report = parsed("publish_ray", result.stdout)
+    assert [d["name"] for d in report["published"]] == ["sed"]
+    [failed] = report["failed"]
+    assert failed["name"] == "bash" and failed["attempts"] == 1
+    assert "context window" in failed["error"]
+    assert "failed:" in result.stderr and str(long_doc) in result.stderr
+    assert "Traceback" not in result.stderr
