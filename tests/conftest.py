@@ -185,6 +185,21 @@ def s3_target(request: pytest.FixtureRequest, server: str):
             os.environ[key] = value
 
 
+@pytest.fixture(
+    name="store", params=["local", "moto", pytest.param("ceph", marks=pytest.mark.ceph)]
+)
+def store_everywhere(request, tmp_path):
+    """``store``: a fresh store on a local folder, on moto and on Ceph RGW (where
+    installed); modules with a ``store`` fixture of their own use theirs."""
+    from kvcdn.store import open_store
+
+    if request.param == "local":
+        yield open_store(str(tmp_path / "store"))
+        return
+    for target in s3_target(request, request.param):
+        yield open_store(target.url(), endpoint_url=target.endpoint)
+
+
 class S3Target:
     def __init__(self, server: str, endpoint: str, bucket: str, client) -> None:
         self.server = server

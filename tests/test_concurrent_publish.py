@@ -15,23 +15,12 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from kvcdn.catalog import read_manifest, read_pointer, versions
 from kvcdn.publish import publish, source_digest
 from kvcdn.store import open_store
-from tests.conftest import all_intact, s3_target
+from tests.conftest import all_intact
 
 LEVELS = "int8,fp16"
-
-
-@pytest.fixture(params=["local", "moto", pytest.param("ceph", marks=pytest.mark.ceph)])
-def store(request, tmp_path):
-    if request.param == "local":
-        yield open_store(str(tmp_path / "store"))
-        return
-    for target in s3_target(request, request.param):
-        yield open_store(target.url(), endpoint_url=target.endpoint)
 
 
 def _at_once(n: int):

@@ -18,7 +18,7 @@ from kvcdn.gc import ReferencesUnknown, collect, remove
 from kvcdn.keys import latest_key, parse_key, prefix_index_key, source_index_key
 from kvcdn.publish import publish, source_digest
 from kvcdn.store import open_store
-from tests.conftest import all_intact, s3_target
+from tests.conftest import all_intact
 
 LEVELS = "int8,fp16"
 LADDER = "default,fp16"  # a ladder level: the store holds the model's codec profile too
@@ -26,15 +26,6 @@ LADDER = "default,fp16"  # a ladder level: the store holds the model's codec pro
 #: and waits past it, keep the tests exact on every store.
 GRACE_S = 2.0
 AGED_S = GRACE_S + 1.5
-
-
-@pytest.fixture(params=["local", "moto", pytest.param("ceph", marks=pytest.mark.ceph)])
-def store(request, tmp_path):
-    if request.param == "local":
-        yield open_store(str(tmp_path / "store"))
-        return
-    for target in s3_target(request, request.param):
-        yield open_store(target.url(), endpoint_url=target.endpoint)
 
 
 def _objects(manifest) -> set[str]:
