@@ -180,9 +180,10 @@ def publish_on_ray(
     else one per ``settings.threads`` CPUs). Each document goes to the next free
     actor; ``on_outcome`` hears of each as it ends, in completion order, and
     ``on_ready(actors)`` once the actors have loaded their models. A document
-    whose actor dies is retried on a new actor; one that fails otherwise is
-    retried up to :data:`MAX_ATTEMPTS` times unless the failure is the user's
-    (:class:`~kvcdn.errors.InputError`), then reported, never dropped.
+    whose actor dies is retried on a new actor, and one that fails with one of
+    kvcdn's errors other than the user's (:class:`~kvcdn.errors.InputError`) is
+    retried, up to :data:`MAX_ATTEMPTS` attempts; what still fails is reported,
+    never dropped.
     """
     try:
         import ray
@@ -227,6 +228,8 @@ def publish_on_ray(
         try:  # models loaded before the clock of documents
             ray.get([a.ready.remote() for a in pool])
         except (RayActorError, RayTaskError) as exc:
+            for actor in pool:  # on a cluster that outlives this run, too
+                ray.kill(actor)
             raise KvcdnError(f"a publishing actor could not start: {_first_line(exc)}") from None
         report.setup_s = time.perf_counter() - started
         if on_ready is not None:
