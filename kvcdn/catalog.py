@@ -254,6 +254,15 @@ def list_documents(
     return found
 
 
+def index_keys(manifest: Manifest) -> list[str]:
+    """The index entries that find ``manifest``: by its source text, and (for a
+    document of at least one whole chunk) by its first chunk."""
+    found = [keys.source_index_key(manifest.model_fingerprint, manifest.source_sha256)]
+    if manifest.chunks and manifest.chunks[0].end == manifest.chunk_tokens:
+        found.append(keys.prefix_index_key(manifest.model_fingerprint, manifest.chunks[0].hash))
+    return found
+
+
 def find_by_source(
     store: Reader, fingerprint: str, source_sha256: str, *, trust: TrustPolicy | None = None
 ) -> Manifest | None:

@@ -41,7 +41,6 @@ from .manifest import (
     open_pointer,
     pointer_bytes,
 )
-from .signing import PROFILE_POINTER_TYPE, open_document
 from .store import KeyStat, Store
 
 log = logging.getLogger(__name__)
@@ -187,21 +186,14 @@ def _repoint(
         store.delete(key)
 
 
-def _index_entries(manifest: Manifest) -> list[str]:
-    entries = [keys.source_index_key(manifest.model_fingerprint, manifest.source_sha256)]
-    if manifest.chunks and manifest.chunks[0].end == manifest.chunk_tokens:
-        entries.append(keys.prefix_index_key(manifest.model_fingerprint, manifest.chunks[0].hash))
-    return entries
-
-
 def _drop_index_entries(
     store: Store, manifest: Manifest, newest_left: Manifest | None, removal: Removal,
     dry_run: bool,
 ) -> None:  # fmt: skip
     """The index entries that named ``manifest``: pointed at the newest version left
     when it has the same entry (same text, or same first chunk), else deleted."""
-    heir = set(_index_entries(newest_left)) if newest_left is not None else set()
-    for key in _index_entries(manifest):
+    heir = set(catalog.index_keys(newest_left)) if newest_left is not None else set()
+    for key in catalog.index_keys(manifest):
         try:
             pointer = open_pointer(store.get(key, max_bytes=MAX_POINTER_BYTES), what=key)
         except (NotFound, FormatError):
@@ -349,18 +341,18 @@ def _referenced(store: Store, manifest_keys: Iterable[str], progress: ProgressFn
 def _current_profiles(store: Store) -> set[str]:
     """The profiles the models' ``current.json`` pointers name: kept even when no
     version names them yet (the next publish will)."""
+    from .profile_store import read_profile_pointer
+
     found = set()
     for key in store.list(keys.PROFILES_PREFIX):
         info = keys.parse_key(key)
         if info is None or info.kind != "profile-pointer":
             continue
         try:
-            raw, _ = open_document(
-                store.get(key, max_bytes=MAX_POINTER_BYTES), PROFILE_POINTER_TYPE, what=key,
-                trust=None, max_bytes=MAX_POINTER_BYTES,
-            )  # fmt: skip
-            found.add(str(raw["key"]))
-        except (KvcdnError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            found.add(read_profile_pointer(store, key).key)
+        except NotFound:
+            continue  # replaced meanwhile
+        except KvcdnError as exc:
             raise ReferencesUnknown(
                 f"{key} cannot be read ({exc}); nothing was deleted: fix or delete that pointer"
             ) from None

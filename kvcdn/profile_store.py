@@ -91,9 +91,18 @@ def current_profile(
     a pointer signed by a trusted key)."""
     key = profile_pointer_key(fingerprint)
     try:
-        data = store.get(key, max_bytes=MAX_POINTER_BYTES)
+        ref = read_profile_pointer(store, key, trust)
     except NotFound:
         return None
+    if ref.key != profile_key(fingerprint, ref.sha256):
+        raise FormatError(f"{key} does not point at a profile of this model")
+    return load_profile(store, ref), ref
+
+
+def read_profile_pointer(store: Reader, key: str, trust: TrustPolicy | None = None) -> ObjectRef:
+    """The profile a ``profiles/FP/current.json`` pointer names (with ``trust``: only a
+    pointer signed by a trusted key); :class:`NotFound` without the pointer."""
+    data = store.get(key, max_bytes=MAX_POINTER_BYTES)
     raw, _ = open_document(
         data, PROFILE_POINTER_TYPE, what=key, trust=trust, max_bytes=MAX_POINTER_BYTES
     )
@@ -101,9 +110,9 @@ def current_profile(
         ref = ObjectRef(key=str(raw["key"]), bytes=int(raw["bytes"]), sha256=str(raw["sha256"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"{key} is not a valid profile pointer: {exc}") from None
-    if ref.key != profile_key(fingerprint, ref.sha256) or not 0 < ref.bytes <= MAX_PROFILE_BYTES:
-        raise FormatError(f"{key} does not point at a profile of this model")
-    return load_profile(store, ref), ref
+    if not 0 < ref.bytes <= MAX_PROFILE_BYTES:
+        raise FormatError(f"{key} names a profile of an impossible size")
+    return ref
 
 
 def local_profile(fingerprint: str) -> CodecProfile | None:

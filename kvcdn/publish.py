@@ -56,8 +56,6 @@ from .keys import (
     manifest_key,
     name_from_filename,
     object_key,
-    prefix_index_key,
-    source_index_key,
 )
 from .kv import DEFAULT_CHUNK_TOKENS, split_chunks
 from .manifest import (
@@ -568,21 +566,26 @@ def _freshen_reused(
     freshened.update(stored[item].key for item in todo if item in stored)
 
 
-def _all_stored(store: Store, manifest: Manifest) -> bool:
-    """Whether every object ``manifest`` names is stored (each freshened: it is named
-    again). One that is gone (a gc that ran beside the publish that made the version)
-    makes the same text a new version that stores it anew."""
-    keys = sorted({ref.key for c in manifest.chunks for ref in c.objects.values()})
+def _gone(store: Store, keys: set[str]) -> list[str]:
+    """Which of ``keys`` the store no longer holds (one HEAD each, concurrently)."""
 
-    def present(key: str) -> bool:
+    def gone(key: str) -> bool:
         try:
-            store.freshen(key)
+            store.stat(key)
         except NotFound:
-            return False
-        return True
+            return True
+        return False
 
+    ordered = sorted(keys)
     with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
-        gone = [key for key, ok in zip(keys, pool.map(present, keys), strict=True) if not ok]
+        return [key for key, g in zip(ordered, pool.map(gone, ordered), strict=True) if g]
+
+
+def _all_stored(store: Store, manifest: Manifest) -> bool:
+    """Whether every object ``manifest`` names is stored. One that is gone (a gc that ran
+    beside the publish that made the version) makes the same text a new version that
+    stores it anew."""
+    gone = _gone(store, {ref.key for c in manifest.chunks for ref in c.objects.values()})
     if gone:
         log.warning("%s names %d object(s) that are gone (first: %s); publishing it again",
                     manifest.ref, len(gone), gone[0])  # fmt: skip
@@ -592,17 +595,8 @@ def _all_stored(store: Store, manifest: Manifest) -> bool:
 def _check_still_stored(store: Store, manifest: Manifest, freshened: set[str]) -> None:
     """The objects a new version names without having uploaded them must still exist:
     a gc that decided to delete one just before it was freshened could have."""
-    named = {ref.key for c in manifest.chunks for ref in c.objects.values()} & freshened
-
-    def exists(key: str) -> str | None:
-        try:
-            store.stat(key)
-        except NotFound:
-            return key
-        return None
-
-    with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
-        gone = [key for key in pool.map(exists, sorted(named)) if key is not None]
+    gone = _gone(store, {ref.key for c in manifest.chunks for ref in c.objects.values()}
+                 & freshened)  # fmt: skip
     if gone:
         raise StoreError(
             f"{manifest.ref} was published, but {len(gone)} object(s) it names were deleted "
@@ -614,10 +608,8 @@ def _check_still_stored(store: Store, manifest: Manifest, freshened: set[str]) -
 def _write_indexes(store: Store, manifest: Manifest) -> None:
     """The hints that find a version from its text, and from its first chunk's tokens."""
     entry = pointer_bytes(manifest.name, manifest.version)
-    fingerprint = manifest.model_fingerprint
-    store.put(source_index_key(fingerprint, manifest.source_sha256), entry)
-    if manifest.chunks and manifest.chunks[0].end == manifest.chunk_tokens:
-        store.put(prefix_index_key(fingerprint, manifest.chunks[0].hash), entry)
+    for key in catalog.index_keys(manifest):
+        store.put(key, entry)
 
 
 def _check_prefill(kv: torch.Tensor, loaded: LoadedModel, tokens: int) -> None:
