@@ -12,9 +12,13 @@ whatever the hardware does with a multiply-add.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from numba import njit, prange
 
+from .paged_cpu import bf16_bits
+from .permuted import PermutedBlocks
 from .rans import PROB_BITS, RANS_L, RansError
 
 _MASK = (1 << PROB_BITS) - 1
@@ -147,40 +151,108 @@ def quantise_encode(
     return (states, *_concatenate(scratch, lengths))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _next_symbol(x, d, lut, tab, words, pos, last):  # pragma: no cover - jitted
+    """Lane ``d``'s next symbol (the decode-table entry's low byte), advancing its state
+    ``x[d]`` and, when it renormalises, the group's word position; returns both."""
+    xd = x[d]
+    e = lut[tab, xd & np.uint32(_MASK)]
+    xd = ((e >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)
+    xd = xd * (x[d] >> np.uint32(PROB_BITS)) + (e >> np.uint32(20))
+    # Branch-free renormalisation: whether a lane needs a word is data-dependent and
+    # unpredictable, so select instead of branch. The read index is clamped to the
+    # group's words (a corrupt stream cannot read outside them); overruns show as
+    # pos > end.
+    w = np.uint32(words[min(pos, last)]) if words.size else np.uint32(0)
+    need = xd < np.uint32(RANS_L)
+    x[d] = (xd << np.uint32(16)) | w if need else xd
+    return e & np.uint32(0xFF), pos + (1 if need else 0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _stream_ok(x, pos, end):  # pragma: no cover - jitted
+    """Whether a group's stream ended where it should: every word read, every state back
+    at its initial value."""
+    if pos != end:
+        return False
+    for d in range(x.size):
+        if x[d] != np.uint32(RANS_L):
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _initial(states, g):  # pragma: no cover - jitted
+    x = np.empty(states.shape[1], dtype=np.uint32)
+    for d in range(states.shape[1]):
+        x[d] = states[g, d]
+    return x
+
+
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _decode(
     words, word_start, states, lut, table_id, scale, offset, out, status
 ):  # pragma: no cover
     G, T, D = out.shape
     for g in prange(G):
-        x = np.empty(D, dtype=np.uint32)
-        for d in range(D):
-            x[d] = states[g, d]
+        x = _initial(states, g)
         pos = word_start[g]
         end = word_start[g + 1]
         last = max(end - 1, 0)
-        bad = False
         for t in range(T):
             for d in range(D):
-                xd = x[d]
-                e = lut[table_id[g, d], xd & np.uint32(_MASK)]
-                xd = ((e >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)
-                xd = xd * (x[d] >> np.uint32(PROB_BITS)) + (e >> np.uint32(20))
-                # Branch-free renormalisation: whether a lane needs a word is
-                # data-dependent and unpredictable, so select instead of branch.
-                # The read index is clamped to the group's words (a corrupt
-                # stream cannot read outside them); overruns show as pos > end.
-                w = np.uint32(words[min(pos, last)]) if words.size else np.uint32(0)
-                need = xd < np.uint32(RANS_L)
-                x[d] = (xd << np.uint32(16)) | w if need else xd
-                pos += 1 if need else 0
-                out[g, t, d] = np.float32(e & np.uint32(0xFF)) * scale[g, d] + offset[g, d]
-        if pos != end:
-            bad = True
-        for d in range(D):
-            if x[d] != np.uint32(RANS_L):
-                bad = True
-        status[g] = 1 if bad else 0
+                sym, pos = _next_symbol(x, d, lut, table_id[g, d], words, pos, last)
+                out[g, t, d] = np.float32(sym) * scale[g, d] + offset[g, d]
+        status[g] = 0 if _stream_ok(x, pos, end) else 1
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _decode_permuted(
+    words,
+    word_start,
+    states,
+    lut,
+    table_id,
+    scale,
+    offset,
+    tokens,
+    heads,
+    cache,
+    blocks,
+    first,
+    lo,
+    hi,
+    k_pos,
+    v_pos,
+    to_bf16,
+    status,
+):  # pragma: no cover
+    # group g is (layer, K|V, head) = divmod as the codec orders them: [L, 2, H]
+    G, D = states.shape
+    block_size = cache.shape[4] // D
+    for g in prange(G):
+        layer = g // (2 * heads)
+        kv = g // heads % 2
+        h = g % heads
+        x = _initial(states, g)
+        pos = word_start[g]
+        end = word_start[g + 1]
+        last = max(end - 1, 0)
+        for t in range(tokens):
+            write = lo <= t < hi
+            p = first + t
+            b = blocks[p // block_size] if write else 0
+            e = (p % block_size) * D
+            for d in range(D):
+                sym, pos = _next_symbol(x, d, lut, table_id[g, d], words, pos, last)
+                if write:
+                    value = np.float32(sym) * scale[g, d] + offset[g, d]
+                    at = k_pos[e + d] if kv == 0 else v_pos[e + d]
+                    if to_bf16:
+                        cache[layer, b, h, kv, at] = bf16_bits(value)
+                    else:
+                        cache[layer, b, h, kv, at] = value
+        status[g] = 0 if _stream_ok(x, pos, end) else 1
 
 
 def decode(
@@ -196,6 +268,36 @@ def decode(
     """Same contract as :func:`kvcdn.kernels.rans.decode_ref`; ``out`` may be a strided view."""
     status = np.zeros(out.shape[0], dtype=np.uint8)
     _decode(words, word_start, states, lut, table_id, scale, offset, out, status)
+    if status.any():
+        raise RansError("rANS stream does not end where it should (corrupt payload)")
+
+
+def decode_permuted(
+    words: np.ndarray,
+    word_start: np.ndarray,
+    states: np.ndarray,
+    lut: np.ndarray,
+    table_id: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray,
+    tokens: int,
+    into: PermutedBlocks,
+) -> None:
+    """:func:`decode` of ``tokens`` tokens of groups ``[L, 2, H]``, written into paged
+    blocks instead of an array (:class:`~kvcdn.kernels.permuted.PermutedBlocks`:
+    its tokens ``lo .. hi`` of these, rounded as it says). Values are written as they
+    are decoded: a stream found corrupt at its end has written some."""
+    G, D = states.shape
+    heads = into.cache.shape[2]
+    if G != into.cache.shape[0] * 2 * heads or into.cache.shape[4] % D:
+        raise ValueError(f"{G} groups of {D} lanes do not fit cache {into.cache.shape}")
+    into.check(tokens, D)
+    status = np.zeros(G, dtype=np.uint8)
+    _decode_permuted(
+        words, word_start, states, lut, table_id, scale, offset, tokens, heads,
+        into.cache, into.blocks, into.first, into.lo, into.hi, into.k_pos, into.v_pos,
+        into.cache.dtype == np.uint16, status,
+    )  # fmt: skip
     if status.any():
         raise RansError("rANS stream does not end where it should (corrupt payload)")
 
@@ -222,3 +324,24 @@ def warm_up() -> None:
     sliced = np.empty((G, T + 1, D), dtype=np.float32)[:, 1:]  # after sink tokens
     for out in (whole, sliced):
         decode(words_ro, word_start, states_ro, lut, table_id, scale, offset, out)
+
+
+def warm_up_permuted(into: PermutedBlocks) -> None:
+    """:func:`warm_up` for :func:`decode_permuted` into ``into``'s cache (its array
+    type: dtype and strides), and :func:`~kvcdn.kernels.paged_cpu.write_permuted` of
+    float16 bits into it: zero tokens, nothing written."""
+    from .paged_cpu import write_permuted
+
+    layers, _, heads, _, row = into.cache.shape
+    groups, dim = layers * 2 * heads, 64 if row % 64 == 0 else row
+    empty = replace(into, lo=0, hi=0)
+    payload = np.full(groups * dim, RANS_L, dtype="<u4").tobytes()  # streams that ended
+    states = np.frombuffer(payload, dtype="<u4").reshape(groups, dim)
+    words = np.frombuffer(b"", dtype="<u2")
+    lut = np.zeros((1, 1 << PROB_BITS), dtype=np.uint32)
+    table_id = np.zeros((groups, dim), dtype=np.int32)
+    scale = np.ones((groups, dim), dtype=np.float32)
+    decode_permuted(words, np.zeros(groups + 1, dtype=np.int64), states, lut, table_id, scale,
+                    scale, 0, empty)  # fmt: skip
+    # read-only, as payloads are
+    write_permuted(np.frombuffer(b"", dtype="<u2").reshape(layers, 2, heads, 0, dim), empty)

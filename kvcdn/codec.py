@@ -26,6 +26,8 @@ from .manifest import TEXT_LEVEL
 if TYPE_CHECKING:
     import torch
 
+    from kvcdn.kernels.permuted import PermutedBlocks
+
 
 @dataclass(frozen=True)
 class Level:
@@ -137,6 +139,7 @@ def decode_chunk(
     profile: CodecProfile | None = None,
     out: torch.Tensor | None = None,
     verified: bool = False,
+    chunk_hash: str | None = None,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """A container object -> (its header, KV ``[L, 2, H, T, D]`` on ``device``).
 
@@ -144,9 +147,11 @@ def decode_chunk(
     cache tensor) the KV is written there and ``out`` is returned; otherwise
     a new tensor is returned (fp16 for the fixed levels, float32 on CPU for
     ladder levels). ``verified=True`` says the caller has checked ``data``
-    against a trusted sha256 (the manifest's), so the trailer is not hashed again.
+    against a trusted sha256 (the manifest's), so the trailer is not hashed
+    again; ``chunk_hash``, the chunk the object must hold, is checked before
+    anything is decoded.
     """
-    header, payload = unpack(data, name=name, verify_digest=not verified)
+    header, payload = _open(data, name, verified, chunk_hash)
     if header.codec == RANS_CODEC:
         if profile is None:
             raise FormatError(f"{name} needs a codec profile to decode, and none was given")
@@ -172,14 +177,19 @@ def _encode_fp16(kv: torch.Tensor, params: dict[str, Any]) -> bytes:
     return kv.to(torch.float16).contiguous().numpy().tobytes()
 
 
-def _decode_fp16(header: ChunkHeader, payload: memoryview, name: str, device: str) -> torch.Tensor:
-    import torch
-
+def _fp16_bits(header: ChunkHeader, payload: memoryview, name: str) -> np.ndarray:
+    """The fp16 payload as float16 bits ``[L, 2, H, T, D]`` (uint16, read-only)."""
     expected = math.prod(header.shape) * 2
     if len(payload) != expected:
         raise FormatError(f"{name}: fp16 payload is {len(payload)} bytes, expected {expected}")
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.float16)
-    return flat.view(header.shape).to(device)
+    return np.frombuffer(payload, dtype="<u2").reshape(header.shape)
+
+
+def _decode_fp16(header: ChunkHeader, payload: memoryview, name: str, device: str) -> torch.Tensor:
+    import torch
+
+    bits = _fp16_bits(header, payload, name)
+    return torch.from_numpy(bits.copy()).view(torch.float16).to(device)
 
 
 def _encode_int8(kv: torch.Tensor, params: dict[str, Any]) -> bytes:
@@ -259,18 +269,24 @@ def _encode_rans(
     )
 
 
-def _decode_rans(
-    header: ChunkHeader,
-    payload: memoryview,
-    name: str,
-    device: str,
-    profile: CodecProfile,
-    out: torch.Tensor | None,
-) -> torch.Tensor:
-    import torch
+@dataclass(frozen=True)
+class _RansParts:
+    """A rANS payload's tables, checked against its header and the codec profile."""
 
-    from kvcdn.kernels.rans import RansError
+    level: str
+    groups: int
+    sinks: int  # the first tokens, stored exact
+    word_start: np.ndarray
+    states: np.ndarray
+    sink: np.ndarray  # float16 [groups, sinks, dim]
+    words: np.ndarray
 
+
+def _rans_parts(
+    header: ChunkHeader, payload: memoryview, name: str, profile: CodecProfile | None
+) -> _RansParts:
+    if profile is None:
+        raise FormatError(f"{name} needs a codec profile to decode, and none was given")
     level = header.params.get("level")
     if header.params.get("profile") != profile.sha256:
         raise FormatError(f"{name} was encoded with another codec profile than the one given")
@@ -307,15 +323,32 @@ def _decode_rans(
     words = np.frombuffer(payload, dtype="<u2", count=n_words, offset=off)
     if np.any(states < (1 << 16)):
         raise FormatError(f"{name}: a stream state is out of range")
+    return _RansParts(level, groups, s, word_start, states, sink.reshape(groups, s, dim), words)
 
+
+def _decode_rans(
+    header: ChunkHeader,
+    payload: memoryview,
+    name: str,
+    device: str,
+    profile: CodecProfile,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    import torch
+
+    from kvcdn.kernels.rans import RansError
+
+    parts = _rans_parts(header, payload, name, profile)
+    groups, s, tokens, dim = parts.groups, parts.sinks, header.shape[3], header.shape[4]
+    words, word_start, states = parts.words, parts.word_start, parts.states
     if out is None:
         out = torch.empty(header.shape, dtype=torch.float32, device=device)
     elif tuple(out.shape) != tuple(header.shape):
         raise FormatError(f"{name} has shape {list(header.shape)}, not {list(out.shape)}")
     flat = out.view(groups, tokens, dim)
     if s:
-        flat[:, :s] = torch.from_numpy(sink.reshape(groups, s, dim).copy()).to(flat)
-    tid, scale, offset = profile.dequant(level)
+        flat[:, :s] = torch.from_numpy(parts.sink.copy()).to(flat)
+    tid, scale, offset = profile.dequant(parts.level)
     body = flat[:, s:]
     try:
         if out.device.type == "cuda" and _triton_available():
@@ -342,6 +375,66 @@ def _decode_rans(
     except RansError as exc:
         raise FormatError(f"{name}: {exc}") from None
     return out
+
+
+def decode_into_blocks(
+    data: bytes,
+    into: PermutedBlocks,
+    *,
+    name: str = "chunk object",
+    profile: CodecProfile | None = None,
+    verified: bool = False,
+    chunk_hash: str | None = None,
+) -> ChunkHeader:
+    """:func:`decode_chunk` straight into paged CPU blocks (vLLM's CPU layouts, see
+    :class:`~kvcdn.kernels.permuted.PermutedBlocks`): fp16 and rANS in one pass
+    with no staging copy, other codecs through a float32 copy of the chunk.
+
+    Values are written as they are decoded: a rANS stream found corrupt at its end
+    (which its sha256 cannot catch when its publisher made it so) raises after
+    writing, and the caller must treat the blocks as not loaded."""
+    from dataclasses import replace
+
+    from kvcdn.kernels import rans_numba
+    from kvcdn.kernels.paged_cpu import write_permuted
+    from kvcdn.kernels.rans import RansError
+
+    header, payload = _open(data, name, verified, chunk_hash)
+    layers, two, heads, tokens, dim = header.shape
+    try:
+        if header.codec == "fp16":
+            write_permuted(_fp16_bits(header, payload, name), into)
+        elif header.codec == RANS_CODEC:
+            parts = _rans_parts(header, payload, name, profile)
+            assert profile is not None
+            s = parts.sinks
+            if s:
+                sink = parts.sink.view(np.uint16).reshape(layers, two, heads, s, dim)
+                write_permuted(sink, replace(into, lo=min(into.lo, s), hi=min(into.hi, s)))
+            tid, scale, offset = profile.dequant(parts.level)
+            rans_numba.decode_permuted(
+                parts.words, parts.word_start, parts.states, profile.decode_tables(), tid,
+                scale, offset, tokens - s, into.after(s),
+            )  # fmt: skip
+        else:
+            decoder = _DECODERS.get(header.codec)
+            if decoder is None:
+                raise FormatError(f"{name} uses codec '{header.codec}', which this kvcdn "
+                                  "cannot decode")  # fmt: skip
+            kv = decoder(header, payload, name, "cpu")
+            write_permuted(np.ascontiguousarray(kv.float().numpy()), into)
+    except RansError as exc:
+        raise FormatError(f"{name}: {exc}") from None
+    return header
+
+
+def _open(
+    data: bytes, name: str, verified: bool, chunk_hash: str | None
+) -> tuple[ChunkHeader, memoryview]:
+    header, payload = unpack(data, name=name, verify_digest=not verified)
+    if chunk_hash is not None and header.chunk_hash != chunk_hash:
+        raise FormatError(f"{name} holds another chunk than its manifest says")
+    return header, payload
 
 
 _warm_lock = threading.Lock()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from kvcdn.kernels.permuted import PermutedBlocks
     from kvcdn.models import LoadedModel
 
 
@@ -24,8 +25,9 @@ class KVTarget(Protocol):
     #: The document's tokens: every position in ``[0, tokens)`` is written once.
     tokens: int
 
-    def chunk(self, start: int, end: int) -> torch.Tensor:
-        """A writable ``[L, 2, H, end - start, D]`` view for tokens ``[start, end)``."""
+    def chunk(self, start: int, end: int) -> torch.Tensor | PermutedBlocks:
+        """A writable ``[L, 2, H, end - start, D]`` view for tokens ``[start, end)``, or
+        paged CPU blocks that the decoders write in their own layout."""
         ...
 
     def prefix(self, end: int) -> torch.Tensor:

@@ -11,18 +11,28 @@ How a request meets kvcdn. The scheduler (vLLM's engine-core process) hashes
 the prompt's first ``chunk_tokens`` tokens as kvcdn chains chunk hashes, and
 looks that hash up once in the store's prefix index (one small read, cached;
 the request waits for it at most ``lookup_timeout_s``). A manifest found is
-checked against the served model like every load; the tokens the prompt
+checked against the served model like every load, and the tokens the prompt
 shares with the document, less at least one and rounded down to vLLM's block
-size, are claimed as an asynchronous load. The worker (vLLM's model process)
-fetches those chunks through the SDK's loader (edges with failover, every
-object verified against its manifest before it is decoded), decodes them
-into a staging tensor and writes them into the blocks vLLM allocated with
-vLLM's own cache-write op for its layout. A chunk that fails, or that is not
-in by ``deadline_s``, ends the load: its blocks and all after it are reported
-to vLLM as failed, and vLLM recomputes them (``kv_load_failure_policy``
-``recompute``). Nothing unverified is written, so nothing wrong enters vLLM's
-prefix cache. kvcdn never makes the engine fail: anything unexpected in the
-connector is logged and the request is computed by vLLM.
+size, are claimed. The worker (vLLM's
+model process) fetches those chunks through the SDK's loader (edges with
+failover, every object verified against its manifest before it is decoded)
+and decodes them into the blocks vLLM allocated, in vLLM's layout. A chunk
+that fails, or that is not in by ``deadline_s``, ends the load: its blocks and
+all after it are reported to vLLM as failed, and vLLM recomputes them
+(``kv_load_failure_policy`` ``recompute``). Nothing unverified is written, so
+nothing wrong enters vLLM's prefix cache. kvcdn never makes the engine fail:
+anything unexpected in the connector is logged and the request is computed by
+vLLM.
+
+Two ways to load (``load_mode``). *async*: the request waits in
+``WAITING_FOR_REMOTE_KVS`` while the load runs beside the engine, which keeps
+serving other requests; right when bytes cross a link. *sync*: the load runs
+inside the step that first computes the request, as vLLM's own ExampleConnector
+does: no extra scheduler steps and no idle steps polling for the load, but every
+request in that step waits for it; right when the bytes are on a local disk
+(tens of milliseconds, less than the prefill it replaces). ``auto`` (the default)
+loads a local folder store without edges synchronously and everything else
+asynchronously.
 
 Producer (``kv_producer``/``kv_both``): a request whose ``kv_transfer_params``
 hold ``{"kvcdn_capture": ID}`` has its prompt's KV copied out of vLLM's blocks
@@ -72,6 +82,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvcdn.kernels.permuted import PermutedBlocks
+
 log = logging.getLogger(__name__)
 
 #: ``kv_transfer_params`` key of a request whose prompt KV is to be captured.
@@ -82,6 +94,9 @@ LOAD_PARAM = "kvcdn_load"
 QUALITY_PARAM = "kvcdn_quality"
 #: ``kv_transfer_params`` key: one request's load deadline in seconds.
 DEADLINE_PARAM = "kvcdn_deadline_s"
+#: ``kv_transfer_params`` key: how one request is loaded (one of LOAD_MODES).
+LOAD_MODE_PARAM = "kvcdn_load_mode"
+LOAD_MODES = ("auto", "sync", "async")
 _CAPTURE_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_LOOKUPS = 4096
 #: A step that runs no model (the engine only waits for loads) waits this long for one
@@ -102,6 +117,7 @@ class ConnectorConfig:
     model: str | None = None  # the kvcdn model name (default: the model vLLM serves)
     quality: str = AUTO  # a level, or auto
     deadline_s: float | None = None  # a load not in by then is left to vLLM's prefill
+    load_mode: str = "auto"  # sync, async, or auto: sync for a local folder without edges
     lookup_timeout_s: float = 2.0  # a request waits this long for a document lookup
     lookup_ttl_s: float = 30.0  # a lookup's answer (found or not) is reused this long
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the chunk size documents were published with
@@ -128,6 +144,8 @@ class ConnectorConfig:
             raise KvcdnError("edges must be a list of edge URLs")
         if not isinstance(config.quality, str) or not config.quality:
             raise KvcdnError("quality must be a level name or 'auto'")
+        if config.load_mode not in LOAD_MODES:
+            raise KvcdnError(f"load_mode must be one of {', '.join(LOAD_MODES)}")
         for key in ("deadline_s", "lookup_timeout_s", "lookup_ttl_s"):
             value = getattr(config, key)
             if value is not None and not _seconds(value, zero=key == "lookup_ttl_s"):
@@ -146,7 +164,8 @@ def _seconds(value: Any, *, zero: bool = False) -> bool:
 # ---- what the scheduler tells the worker -------------------------------------------
 @dataclass(frozen=True)
 class LoadSpec:
-    """Load tokens ``[start, end)`` of ``manifest`` into ``block_ids``' slots."""
+    """Load tokens ``[start, end)`` of ``manifest`` into ``block_ids``' slots; ``sync``:
+    within the step (see the module's documentation)."""
 
     req_id: str
     manifest: Manifest
@@ -155,6 +174,7 @@ class LoadSpec:
     block_ids: list[int]
     quality: str
     deadline_s: float | None
+    sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,6 +201,7 @@ class _Match:
     end: int  # tokens kvcdn loads up to
     quality: str
     deadline_s: float | None
+    sync: bool
 
 
 @dataclass
@@ -240,6 +261,12 @@ class KvcdnConnector(KVConnectorBase_V1):
             self._matches: dict[str, _Match] = {}
             self._pending_loads: list[LoadSpec] = []
             self._loading: dict[str, LoadSpec] = {}  # sent to the worker, not finished
+            # sync loads sent, and the step (count of metadata built) that carried each
+            self._sync_sent: dict[str, tuple[LoadSpec, int]] = {}
+            self._steps_built = 0
+            # with async scheduling, vLLM builds step N+1 before it reports step N
+            self._output_lag = 1 if vllm_config.scheduler_config.async_scheduling else 0
+            self._local_store: bool | None = None
             self._outcomes: dict[str, dict[str, Any]] = {}  # what each load did
             self._captures: dict[str, _Capture] = {}
             self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-lookup")
@@ -282,7 +309,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if len(ids) <= chunk or params.get(LOAD_PARAM) is False:
             return 0, False
-        if request.request_id in self._outcomes or request.request_id in self._loading:
+        req_id = request.request_id
+        if req_id in self._outcomes or req_id in self._loading or req_id in self._sync_sent:
             # one load per request: after a load that fell short, vLLM computes the rest
             # (claiming again would fail the same way, over and over)
             return 0, False
@@ -317,12 +345,29 @@ class KvcdnConnector(KVConnectorBase_V1):
             log.info("kvcdn: request %s asks for quality %r, which %s does not have",
                      request.request_id, quality, manifest.ref)  # fmt: skip
             return 0, False
+        sync = self._loads_sync(params.get(LOAD_MODE_PARAM, self.config.load_mode), req_id)
         shared = _common_prefix(ids, manifest.token_ids)
+        # Whole blocks: vLLM counts a finished asynchronous load so. A synchronous load
+        # could end inside a block, but the tokens after the last whole block are few,
+        # vLLM computes them with the prompt's tail in the same pass at almost no cost,
+        # and its own bf16 KV there keeps answers closest to its own prefill.
         end = min(shared, len(ids) - 1) // self.block_size * self.block_size
         if end <= num_computed:
             return 0, False
-        self._matches[request.request_id] = _Match(manifest, num_computed, end, quality, deadline_s)
-        return end - num_computed, True
+        self._matches[req_id] = _Match(manifest, num_computed, end, quality, deadline_s, sync)
+        return end - num_computed, not sync
+
+    def _loads_sync(self, mode: Any, req_id: str) -> bool:
+        if mode not in LOAD_MODES:
+            log.info("kvcdn: request %s: ignoring %s=%r", req_id, LOAD_MODE_PARAM, mode)
+            mode = self.config.load_mode
+        if mode != "auto":
+            return mode == "sync"
+        if self._local_store is None:
+            from kvcdn.store import LocalStore
+
+            self._local_store = isinstance(self.reader(), LocalStore)
+        return self._local_store
 
     def _lookup_of(self, first_chunk_hash: str, now: float) -> _Lookup:
         """The lookup of the document starting with this chunk: a recent one, or a new one."""
@@ -382,11 +427,10 @@ class KvcdnConnector(KVConnectorBase_V1):
         if num_external_tokens != match.end - match.start:
             self._matches.pop(req_id, None)
             return
-        self._pending_loads.append(
-            LoadSpec(req_id, match.manifest, match.start, match.end,
-                     list(blocks.get_block_ids()[0]), match.quality,
-                     match.deadline_s)  # fmt: skip
-        )
+        block_ids = list(blocks.get_block_ids()[0])
+        spec = LoadSpec(req_id, match.manifest, match.start, match.end, block_ids,
+                        match.quality, match.deadline_s, match.sync)  # fmt: skip
+        self._pending_loads.append(spec)
 
     def _capture_of(self, capture_id: Any, tokens: int) -> _Capture | None:
         if self.config.capture_dir is None:
@@ -400,7 +444,12 @@ class KvcdnConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvcdnMetadata(loads=self._pending_loads,
                              idle=scheduler_output.total_num_scheduled_tokens == 0)  # fmt: skip
-        self._loading.update((spec.req_id, spec) for spec in self._pending_loads)
+        self._steps_built += 1
+        for spec in self._pending_loads:
+            if spec.sync:
+                self._sync_sent[spec.req_id] = (spec, self._steps_built)
+            else:
+                self._loading[spec.req_id] = spec
         self._pending_loads = []
         if not self._captures:
             return meta
@@ -427,22 +476,33 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         failed = connector_output.invalid_block_ids or set()
+        # a synchronous load ends within its step, and the step's failed blocks come in
+        # its output: the latest step built's, or the one before with async scheduling
+        reported = self._steps_built - self._output_lag
+        done = [spec for spec, step in self._sync_sent.values() if step <= reported]
+        for spec in done:
+            del self._sync_sent[spec.req_id]
         for req_id in connector_output.finished_recving or ():
             spec = self._loading.pop(req_id, None)
-            if spec is None:
-                continue
-            bs = self.block_size
-            loaded_to = spec.end
-            for index in range(spec.start // bs, -(-spec.end // bs)):
-                if spec.block_ids[index] in failed:
-                    loaded_to = max(spec.start, index * bs)
-                    break
-            self._outcomes[req_id] = {
-                "document": spec.manifest.ref,
-                "quality": spec.quality,
-                "claimed_tokens": spec.end - spec.start,
-                "loaded_tokens": loaded_to - spec.start,
-            }
+            if spec is not None:
+                done.append(spec)
+        for spec in done:
+            self._outcomes[spec.req_id] = self._outcome(spec, failed)
+
+    def _outcome(self, spec: LoadSpec, failed: set[int]) -> dict[str, Any]:
+        bs = self.block_size
+        loaded_to = spec.end
+        for index in range(spec.start // bs, -(-spec.end // bs)):
+            if spec.block_ids[index] in failed:
+                loaded_to = max(spec.start, index * bs)
+                break
+        return {
+            "document": spec.manifest.ref,
+            "quality": spec.quality,
+            "mode": "sync" if spec.sync else "async",
+            "claimed_tokens": spec.end - spec.start,
+            "loaded_tokens": loaded_to - spec.start,
+        }
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """What kvcdn did for the request, in its output's ``kv_transfer_params``."""
@@ -451,7 +511,12 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._asked.pop(req_id, None)
         self._captures.pop(req_id, None)
         self._loading.pop(req_id, None)
+        sent = self._sync_sent.pop(req_id, None)
         outcome = self._outcomes.pop(req_id, None)
+        if outcome is None and sent is not None:
+            # it finished in its load's step, before that step's output reached
+            # update_connector_output: vLLM finishes no request whose load failed
+            outcome = self._outcome(sent[0], set())
         return False, ({"kvcdn": outcome} if outcome is not None else None)
 
     # ---- worker side ----------------------------------------------------------------
@@ -474,15 +539,25 @@ class KvcdnConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcdnMetadata)
         for spec in meta.loads:
-            if self._writer is None:
+            if spec.sync:  # vLLM reads its failed blocks after this step's forward
+                self._failed_now |= self._load(spec)
+            elif self._writer is None:
                 self._finish(spec.req_id, set(spec.block_ids))
-                continue
-            with self._done_lock:
-                self._in_flight += 1
-            self._load_pool.submit(self._load, spec)
+            else:
+                with self._done_lock:
+                    self._in_flight += 1
+                self._load_pool.submit(self._load_async, spec)
 
-    def _load(self, spec: LoadSpec) -> None:
-        assert self._writer is not None and self.identity is not None
+    def _load_async(self, spec: LoadSpec) -> None:
+        failed = self._load(spec)
+        with self._done_lock:
+            self._in_flight -= 1
+        self._finish(spec.req_id, failed)
+
+    def _load(self, spec: LoadSpec) -> set[int]:
+        """Load ``spec``; the ids of the blocks it did not fill."""
+        if self._writer is None or self.identity is None:
+            return set(spec.block_ids[spec.start // self.block_size :])
         loaded_to = spec.start
         try:
             chunk = self.config.chunk_tokens
@@ -505,26 +580,24 @@ class KvcdnConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.warning("kvcdn: loading %s for request %s failed: %s", spec.manifest.ref,
                         spec.req_id, exc)  # fmt: skip
+        if loaded_to >= spec.end:
+            return set()
+        # the block holding the first token not loaded, and every claimed block after it
         bs = self.block_size
         failed = {b for i, b in enumerate(spec.block_ids) if (i + 1) * bs > loaded_to
                   and i * bs < spec.end}  # fmt: skip
         if failed:
             log.info("kvcdn: request %s: %d of %d tokens loaded; vLLM computes the rest",
                      spec.req_id, loaded_to - spec.start, spec.end - spec.start)  # fmt: skip
-        self._loaded(spec, failed)
+        return failed
 
     def _finish(self, req_id: str, failed_blocks: set[int]) -> None:
         with self._done_lock:
             self._done[req_id] = failed_blocks
             self._done_lock.notify_all()
 
-    def _loaded(self, spec: LoadSpec, failed_blocks: set[int]) -> None:
-        with self._done_lock:
-            self._in_flight -= 1
-        self._finish(spec.req_id, failed_blocks)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a request runs once all its layers are written
+        return  # a synchronous load is whole before the forward starts (start_load_kv)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:  # fmt: skip
@@ -572,6 +645,11 @@ def _warm_up(layout: _PagedLayout, dim: int) -> None:
         codec.warm_up(device, torch.float32 if device == "cpu" else layout.dtype, dim)
         empty = torch.empty((len(layout.caches), 2, layout.heads, 0, layout.head_dim))
         layout.write(empty.to(device), [], 0)
+        into = layout.permuted([], 0, 0, 0)
+        if into is not None:  # the decoders that write into these blocks
+            from kvcdn.kernels import rans_numba
+
+            rans_numba.warm_up_permuted(into)
     except Exception as exc:  # only a first load's speed depends on it
         log.info("kvcdn: warming the decoder up failed: %s", exc)
 
@@ -660,15 +738,26 @@ class _PagedLayout:
         positions = torch.arange(start, end, dtype=torch.long)
         return (blocks[positions // bs] * bs + positions % bs).to(self.device)
 
+    def permuted(self, block_ids: list[int], first: int, lo: int, hi: int
+                 ) -> PermutedBlocks | None:  # fmt: skip
+        """Where kvcdn's CPU kernels write a chunk whose token 0 is the request's token
+        ``first``, its tokens ``lo .. hi`` only; None for a layout they do not write."""
+        if self._rows is None:
+            return None
+        from kvcdn.kernels.permuted import PermutedBlocks
+
+        assert self._k_pos is not None and self._v_pos is not None
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        return PermutedBlocks(self._rows, blocks, first, lo, hi, self._k_pos, self._v_pos)
+
     def write(self, kv: torch.Tensor, block_ids: list[int], start: int) -> None:
         """Write ``kv`` (``[L, 2, H, T, D]``, tokens ``start .. start + T``) into the slots
         of ``block_ids`` (the request's blocks from token 0)."""
-        if self._rows is not None and kv.device.type == "cpu" and kv.dtype == torch.float32:
+        into = self.permuted(block_ids, start, 0, kv.shape[3])
+        if into is not None and kv.device.type == "cpu" and kv.dtype == torch.float32:
             from kvcdn.kernels.paged_cpu import write_permuted
 
-            assert self._k_pos is not None and self._v_pos is not None
-            blocks = np.asarray(block_ids, dtype=np.int64)
-            write_permuted(kv.numpy(), self._rows, blocks, start, self._k_pos, self._v_pos)
+            write_permuted(kv.numpy(), into)
             return
         self.write_with_op(kv, block_ids, start)
 
@@ -780,10 +869,11 @@ def _stacked_rows(caches: dict[int, torch.Tensor], heads: int, row: int) -> np.n
 
 
 class PagedTarget:
-    """A :class:`~kvcdn.sdk.KVTarget` over vLLM's blocks: each chunk is decoded into
-    a staging tensor of one chunk and, once decoded from verified bytes, written to
-    the request's blocks (only the tokens the load claimed: vLLM has the others).
-    The loader decodes one chunk at a time, so one chunk is staged at a time."""
+    """A :class:`~kvcdn.sdk.KVTarget` over vLLM's blocks, of which only the tokens the
+    load claimed are written (vLLM has the others). In vLLM's CPU layouts a chunk is
+    decoded straight into the blocks; otherwise into a staging tensor of one chunk,
+    written to the blocks once decoded from verified bytes (the loader decodes one
+    chunk at a time, so one chunk is staged at a time)."""
 
     def __init__(self, layout: _PagedLayout, spec: LoadSpec) -> None:
         self.layout = layout
@@ -793,7 +883,11 @@ class PagedTarget:
         self.dtype = torch.float32 if layout.device == "cpu" else layout.dtype
         self._staged: dict[int, torch.Tensor] = {}
 
-    def chunk(self, start: int, end: int) -> torch.Tensor:
+    def chunk(self, start: int, end: int) -> torch.Tensor | PermutedBlocks:
+        lo, hi = max(start, self.spec.start), min(end, self.spec.end)
+        into = self.layout.permuted(self.spec.block_ids, start, lo - start, max(lo, hi) - start)
+        if into is not None:
+            return into
         shape = (len(self.layout.caches), 2, self.layout.heads, end - start, self.layout.head_dim)
         staged = torch.empty(shape, dtype=self.dtype, device=self.layout.device)
         self._staged[start] = staged
@@ -803,7 +897,9 @@ class PagedTarget:
         raise KvcdnError("an engine's load does not recompute chunks")
 
     def commit(self, start: int, end: int) -> None:
-        staged = self._staged.pop(start)
+        staged = self._staged.pop(start, None)
+        if staged is None:
+            return  # decoded into the blocks
         lo, hi = max(start, self.spec.start), min(end, self.spec.end)
         if lo < hi:
             self.layout.write(staged[:, :, :, lo - start : hi - start], self.spec.block_ids, lo)

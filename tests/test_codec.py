@@ -326,3 +326,60 @@ def test_container_header_names_codec_profile_and_level(default_object, profile)
     assert isinstance(header, ChunkHeader)
     assert header.codec == "kvcdn-rans-v1"
     assert header.params == {"profile": profile.sha256, "level": "default"}
+
+
+def _paged_cache(dtype, layers=30, heads=3, dim=64, blocks=24, block_size=64, seed=0):
+    """A vLLM-like CPU cache [L, blocks, H, 2, block_size * D], a random permutation of
+    each block's elements, and a random order of the request's blocks."""
+    rng = np.random.default_rng(seed)
+    cache = np.zeros((layers, blocks, heads, 2, block_size * dim), dtype=dtype)
+    k_pos = rng.permutation(block_size * dim)
+    v_pos = rng.permutation(block_size * dim)
+    return cache, rng.permutation(blocks).astype(np.int64), k_pos, v_pos
+
+
+@pytest.mark.parametrize("level", ["fp16", "int8", *LADDER])
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32])  # bfloat16 bits, float32
+def test_decoding_into_paged_blocks_equals_decoding_then_writing(profile, real_kv, level, dtype):
+    """kvcdn's fused decoders (rANS and fp16 straight into vLLM's CPU blocks) write
+    exactly what decoding to float32 and then writing with the reference write
+    kernel does: every level, the exact first tokens of a document's first chunk,
+    a claim that starts and ends inside the chunk, and fp16 specials."""
+    from kvcdn.codec import FIXED_LEVELS, decode_into_blocks
+    from kvcdn.kernels.paged_cpu import write_permuted
+    from kvcdn.kernels.permuted import PermutedBlocks
+
+    lv = FIXED_LEVELS[level] if level in FIXED_LEVELS else ladder_level(level, profile)
+    kv = real_kv.clone()
+    if level == "fp16":  # infinities, a subnormal, a negative zero, a NaN
+        kv[0, 0, 0, 10, :5] = torch.tensor([float("inf"), -float("inf"), 3e-6, -0.0, float("nan")])
+    for start, lo, hi in ((0, 0, 256), (256, 3, 200), (0, 1, 2)):  # chunk-relative lo..hi
+        data = encode_chunk(lv, kv[:, :, :, start : start + 256], HASH, profile=profile,
+                            start=start)  # fmt: skip
+        fused, blocks, k_pos, v_pos = _paged_cache(dtype)
+        reference = fused.copy()
+        into = PermutedBlocks(fused, blocks, start, lo, hi, k_pos, v_pos)
+        header = decode_into_blocks(data, into, profile=profile, chunk_hash=HASH)
+        assert header.level == level
+        _, decoded = decode_chunk(data, profile=profile)
+        write_permuted(np.ascontiguousarray(decoded.float().numpy()),
+                       PermutedBlocks(reference, blocks, start, lo, hi, k_pos, v_pos))  # fmt: skip
+        assert np.array_equal(fused.view(np.uint8), reference.view(np.uint8)), (start, lo, hi)
+        assert fused.any()
+    with pytest.raises(FormatError, match="another chunk"):
+        decode_into_blocks(data, into, profile=profile, chunk_hash="cd" * 32)
+
+
+def test_a_corrupt_stream_decoded_into_blocks_is_an_error(profile, real_kv):
+    from kvcdn.codec import decode_into_blocks
+    from kvcdn.kernels.permuted import PermutedBlocks
+
+    data = bytearray(encode_chunk(ladder_level("default", profile), real_kv[:, :, :, 256:512],
+                                  HASH, profile=profile, start=256))  # fmt: skip
+    header, payload = unpack(bytes(data))
+    body = bytearray(payload)
+    body[-9] ^= 0x5A  # a word of the last group's stream
+    cache, blocks, k_pos, v_pos = _paged_cache(np.uint16)
+    into = PermutedBlocks(cache, blocks, 256, 0, 256, k_pos, v_pos)
+    with pytest.raises(FormatError, match="corrupt"):
+        decode_into_blocks(pack(header, bytes(body)), into, profile=profile, chunk_hash=HASH)

@@ -134,19 +134,27 @@ def test_permuted_write_refuses_what_does_not_fit():
     import numpy as np
 
     from kvcdn.kernels.paged_cpu import write_permuted
+    from kvcdn.kernels.permuted import PermutedBlocks
 
     cache = np.zeros((2, 4, 3, 2, 16 * 8), dtype=np.uint16)  # 2 layers, 4 blocks of 16
     kv = np.zeros((2, 2, 3, 20, 8), dtype=np.float32)
     pos = np.arange(16 * 8)
-    write_permuted(kv, cache, np.array([3, 0]), 0, pos, pos)
+
+    def into(blocks, first=0, lo=0, hi=20, k_pos=pos):
+        return PermutedBlocks(cache, np.array(blocks), first, lo, hi, k_pos, k_pos)
+
+    write_permuted(kv, into([3, 0]))
+    write_permuted(kv, into([3, 0, 4], first=12, lo=0, hi=20))  # the unused id is not read
     with pytest.raises(ValueError, match="outside the cache"):
-        write_permuted(kv, cache, np.array([3, 4]), 0, pos, pos)
+        write_permuted(kv, into([3, 4]))
     with pytest.raises(ValueError, match="do not fit"):
-        write_permuted(kv, cache, np.array([3, 0]), 20, pos, pos)
+        write_permuted(kv, into([3, 0], first=20))
+    with pytest.raises(ValueError, match="tokens"):
+        write_permuted(kv, into([3, 0], lo=5, hi=21))
     with pytest.raises(ValueError, match="float32"):
-        write_permuted(kv.astype(np.float64), cache, np.array([3, 0]), 0, pos, pos)
+        write_permuted(kv.astype(np.float64), into([3, 0]))
     with pytest.raises(ValueError, match="permutations"):
-        write_permuted(kv, cache, np.array([3, 0]), 0, pos[:-1], pos[:-1])
+        write_permuted(kv, into([3, 0], k_pos=pos[:-1]))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")

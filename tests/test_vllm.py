@@ -143,13 +143,17 @@ def _published_tokens(model) -> int:
     return len(model.document_ids(read_document(SED_MANUAL)))
 
 
-def test_fp16_load_answers_as_vllms_own_prefill(engine, model, sed_prompt, baseline):
-    out = engine.ask(sed_prompt, kvcdn_quality="fp16")
+@pytest.mark.parametrize("mode", ["auto", "sync", "async"])
+def test_fp16_load_answers_as_vllms_own_prefill(engine, model, sed_prompt, baseline, mode):
+    """Loaded synchronously (``auto`` for a local folder) or not, the whole blocks (256
+    tokens here) the prompt shares with the document."""
+    out = engine.ask(sed_prompt, kvcdn_quality="fp16", kvcdn_load_mode=mode)
     shared = _published_tokens(model) - 1  # the document's last token merges with the question
-    assert out["num_cached_tokens"] == shared // 256 * 256
+    claimed = shared // 256 * 256
+    assert out["num_cached_tokens"] == claimed
     assert out["kv_transfer_params"]["kvcdn"] == {
-        "document": "sed@1", "quality": "fp16",
-        "claimed_tokens": shared // 256 * 256, "loaded_tokens": shared // 256 * 256,
+        "document": "sed@1", "quality": "fp16", "mode": "async" if mode == "async" else "sync",
+        "claimed_tokens": claimed, "loaded_tokens": claimed,
     }  # fmt: skip
     assert out["token_ids"] == baseline["token_ids"]
     assert len(out["token_ids"]) == 32
@@ -210,15 +214,21 @@ def _prefix_cache_holds_the_right_kv(engine, prompt, baseline) -> None:
     assert _kl(baseline["first_logprobs"], again["first_logprobs"]) <= KL_BOUND
 
 
-def test_corrupted_object_is_recomputed_by_vllm(engine, store_dir, sed_prompt, baseline, restore):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_corrupted_object_is_recomputed_by_vllm(
+    engine, store_dir, sed_prompt, baseline, restore, mode
+):
+    """vLLM recomputes what failed; a synchronous load's blocks are in the prefix cache
+    from the start, and must hold the right KV after the recompute too."""
     manifest = _sed_manifest(store_dir)
     path = restore(_object_file(store_dir, manifest, 1, "fp16"))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit: the sha256 in the manifest no longer matches
     path.write_bytes(bytes(data))
-    out = engine.ask(sed_prompt, kvcdn_quality="fp16")
+    out = engine.ask(sed_prompt, kvcdn_quality="fp16", kvcdn_load_mode=mode)
     # chunk 0 loaded; vLLM was told the rest failed, and computed it
-    assert out["kv_transfer_params"]["kvcdn"]["loaded_tokens"] == 256
+    outcome = out["kv_transfer_params"]["kvcdn"]
+    assert (outcome["mode"], outcome["loaded_tokens"]) == (mode, 256)
     assert "does not match the size and sha256 its manifest records" in engine.log.read_text()
     assert out["token_ids"] == baseline["token_ids"]
     _prefix_cache_holds_the_right_kv(engine, sed_prompt, baseline)
@@ -257,9 +267,12 @@ def test_kv_of_another_model_is_refused(engine, model, store_dir, sed_prompt, ba
     _prefix_cache_holds_the_right_kv(engine, sed_prompt, baseline)
 
 
-def test_missed_deadline_leaves_the_document_to_vllm(engine, sed_prompt, baseline):
-    out = engine.ask(sed_prompt, kvcdn_quality="fp16", kvcdn_deadline_s=0.001)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_missed_deadline_leaves_the_document_to_vllm(engine, sed_prompt, baseline, mode):
+    out = engine.ask(sed_prompt, kvcdn_quality="fp16", kvcdn_deadline_s=0.001,
+                     kvcdn_load_mode=mode)  # fmt: skip
     outcome = out["kv_transfer_params"]["kvcdn"]
+    assert outcome["mode"] == mode
     assert outcome["loaded_tokens"] < outcome["claimed_tokens"]
     assert out["token_ids"] == baseline["token_ids"]
 
@@ -429,6 +442,7 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
         ({"edges": "http://127.0.0.1:1"}, "edges must be a list"),
         ({"chunk_tokens": 8}, "chunk_tokens"),
         ({"store": 5}, "store"),
+        ({"load_mode": "fast"}, "load_mode must be one of auto, sync, async"),
     ],
 )
 def test_connector_configuration_mistakes_are_named(extra, problem):
