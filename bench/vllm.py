@@ -19,7 +19,9 @@ its document's lookup not yet cached):
 - ``prefill``: vLLM computes the whole prompt (kvcdn's connector told to keep out);
 - ``example``: vLLM's own ExampleConnector, uncompressed bf16 KV in files on local
   disk, written by a first request (the anchor: what loading costs without kvcdn);
-- ``kvcdn local``: kvcdn's connector reading the local folder, at fp16, default and auto;
+- ``kvcdn local``: kvcdn's connector reading the local folder, at fp16, default and auto
+  (``load_mode`` auto: synchronous), and the same fp16 and default loads asynchronous
+  (``kvcdn local async``, the baseline of the synchronous mode);
 - ``kvcdn edge R``: the same through a `kvcdn edge serve --rate-limit R` process
   (warmed: the edge holds every object, the shaped link is the edge's sending
   rate), at fp16, default, lowest and auto with a 1 s deadline.
@@ -201,6 +203,10 @@ def main() -> None:
             ("kvcdn local fp16", {"kvcdn_quality": "fp16"}),
             ("kvcdn local default", {"kvcdn_quality": "default"}),
             ("kvcdn local auto", {}),
+            # the same loads asynchronously (what a local folder got before load_mode)
+            ("kvcdn local async fp16", {"kvcdn_quality": "fp16", "kvcdn_load_mode": "async"}),
+            ("kvcdn local async default", {"kvcdn_quality": "default",
+                                           "kvcdn_load_mode": "async"}),
         ], args.repeats),
     }, env, log)]  # fmt: skip
     print("engine: ExampleConnector", flush=True)
@@ -293,6 +299,11 @@ def _report(results: list[dict], manifests: dict, docs: dict, args: Any) -> dict
             "kvcdn local fp16 / example": t["kvcdn local fp16"] / t["example"],
             "kvcdn local default / example": t["kvcdn local default"] / t["example"],
             "prefill / kvcdn local default": t["prefill"] / t["kvcdn local default"],
+            "prefill / kvcdn local fp16": t["prefill"] / t["kvcdn local fp16"],
+            "kvcdn local async default / sync default":
+                t["kvcdn local async default"] / t["kvcdn local default"],
+            "kvcdn local async fp16 / sync fp16":
+                t["kvcdn local async fp16"] / t["kvcdn local fp16"],
             **{f"edge {rate}: fp16 / {lv}": t[f"kvcdn edge {rate} fp16"]
                / t[f"kvcdn edge {rate} {lv}"]
                for rate in args.rates.split(",") for lv in ("default", "lowest", "auto")},

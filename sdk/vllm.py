@@ -13,10 +13,10 @@ looks that hash up once in the store's prefix index (one small read, cached;
 the request waits for it at most ``lookup_timeout_s``). A manifest found is
 checked against the served model like every load, and the tokens the prompt
 shares with the document, less at least one and rounded down to vLLM's block
-size, are claimed. The worker (vLLM's
-model process) fetches those chunks through the SDK's loader (edges with
-failover, every object verified against its manifest before it is decoded)
-and decodes them into the blocks vLLM allocated, in vLLM's layout. A chunk
+size, are claimed. The worker (vLLM's model process) fetches those chunks
+through the SDK's loader (edges with failover, every object verified against its
+manifest before it is decoded) and decodes them into the blocks vLLM allocated,
+in vLLM's layout. A chunk
 that fails, or that is not in by ``deadline_s``, ends the load: its blocks and
 all after it are reported to vLLM as failed, and vLLM recomputes them
 (``kv_load_failure_policy`` ``recompute``). Nothing unverified is written, so
