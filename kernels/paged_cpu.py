@@ -85,5 +85,6 @@ def write_permuted(kv: np.ndarray, into: PermutedBlocks) -> None:
     if into.cache.ndim != 5 or into.cache.shape[0] != layers or into.cache.shape[2] != heads:
         raise ValueError(f"cache {into.cache.shape} does not hold {layers} layers of {heads} heads")
     into.check(tokens, dim)
+    kv = np.ascontiguousarray(kv)  # one compiled variant per dtype (a slice is copied)
     _write(kv, kv.dtype == np.uint16, into.cache, into.blocks, into.first, into.lo, into.hi,
            into.k_pos, into.v_pos, into.cache.dtype == np.uint16)  # fmt: skip

@@ -332,9 +332,9 @@ def warm_up_permuted(into: PermutedBlocks) -> None:
     float16 bits into it: zero tokens, nothing written."""
     from .paged_cpu import write_permuted
 
-    layers, _, heads, _, row = into.cache.shape
-    groups, dim = layers * 2 * heads, 64 if row % 64 == 0 else row
-    empty = replace(into, lo=0, hi=0)
+    layers, _, heads, _, _ = into.cache.shape
+    groups, dim = layers * 2 * heads, into.dim
+    empty = replace(into, lo=0, hi=0, tokens=0)
     payload = np.full(groups * dim, RANS_L, dtype="<u4").tobytes()  # streams that ended
     states = np.frombuffer(payload, dtype="<u4").reshape(groups, dim)
     words = np.frombuffer(b"", dtype="<u2")

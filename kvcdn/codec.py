@@ -410,7 +410,8 @@ def decode_into_blocks(
             s = parts.sinks
             if s:
                 sink = parts.sink.view(np.uint16).reshape(layers, two, heads, s, dim)
-                write_permuted(sink, replace(into, lo=min(into.lo, s), hi=min(into.hi, s)))
+                write_permuted(sink, replace(into, lo=min(into.lo, s), hi=min(into.hi, s),
+                                             tokens=min(into.tokens, s)))  # fmt: skip
             tid, scale, offset = profile.dequant(parts.level)
             rans_numba.decode_permuted(
                 parts.words, parts.word_start, parts.states, profile.decode_tables(), tid,

@@ -201,7 +201,7 @@ class Store:
                 f"{what}: access denied by {self.url} ({exc}); check the credentials "
                 "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the AWS profile)"
             ) from None
-        except (StoreError, FormatError, ValueError):
+        except (StoreError, FormatError, ValueError, FetchCancelled):
             raise
         except Exception as exc:  # network stacks raise many types; all mean the same here
             raise StoreError(f"{what}: store {self.url} failed: {exc}") from None
@@ -437,18 +437,29 @@ class LocalStore(Store):
         on_bytes: Callable[[int], None] | None = None,
         cancel: Cancel | None = None,
     ) -> Fetched:
-        """:meth:`Store.fetch` in one read of the file straight into the result (a
-        local disk has no link to report progress on or to cancel halfway: a load of
-        a document's chunks from one is dominated by copies and hashes)."""
+        """:meth:`Store.fetch` from one open file: the same pieces, reported and
+        cancellable between them, without reopening the file and asking its size
+        for each piece (a local load of a document's chunks is dominated by copies
+        and hashes; one piece, the usual chunk object, is read straight into the
+        result)."""
         started = time.perf_counter()
         path = self._path(key)
-        if cancel is not None and cancel.is_set():
-            raise FetchCancelled
+        limit = -1 if max_bytes is None else max_bytes + 1  # one byte more shows "too large"
+        pieces: list[bytes] = []
         with self._errors(f"reading {key}"), open(path, "rb") as f:
-            # one byte more than allowed shows "too large" without reading all of it
-            data = f.read(-1 if max_bytes is None else max_bytes + 1)
-        if on_bytes is not None and data:
-            on_bytes(len(data))
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise FetchCancelled
+                want = FETCH_PIECE if limit < 0 else min(FETCH_PIECE, limit - sum(map(len, pieces)))
+                piece = f.read(want) if want > 0 else b""
+                if not piece:
+                    break
+                pieces.append(piece)
+                if on_bytes is not None:
+                    on_bytes(len(piece))
+                if len(piece) < want:
+                    break
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         self._check_size(key, data, max_bytes)
         if check is not None:
             check(data)

@@ -261,12 +261,18 @@ class KvcdnConnector(KVConnectorBase_V1):
             self._matches: dict[str, _Match] = {}
             self._pending_loads: list[LoadSpec] = []
             self._loading: dict[str, LoadSpec] = {}  # sent to the worker, not finished
-            # sync loads sent, and the step (count of metadata built) that carried each
-            self._sync_sent: dict[str, tuple[LoadSpec, int]] = {}
-            self._steps_built = 0
-            # with async scheduling, vLLM builds step N+1 before it reports step N
-            self._output_lag = 1 if vllm_config.scheduler_config.async_scheduling else 0
-            self._local_store: bool | None = None
+            self._sync_sent: dict[str, LoadSpec] = {}  # sync loads of the step in flight
+            self._sync_default: bool | None = None  # the connector's own choice
+            # With async scheduling (or pipeline parallelism) vLLM schedules step N+1
+            # before step N's failed blocks are known: a request scheduled then could
+            # reuse a block of a failed sync load (cached at allocation) before vLLM
+            # recomputes it. Loads are then asynchronous, whose blocks vLLM caches
+            # only once they are in.
+            self._sync_possible = vllm_config.max_concurrent_batches == 1
+            if self.config.load_mode == "sync" and not self._sync_possible:
+                log.warning("kvcdn: load_mode sync needs vLLM without async scheduling or "
+                            "pipeline parallelism (--no-async-scheduling); loading "
+                            "asynchronously")  # fmt: skip
             self._outcomes: dict[str, dict[str, Any]] = {}  # what each load did
             self._captures: dict[str, _Capture] = {}
             self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-lookup")
@@ -345,7 +351,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             log.info("kvcdn: request %s asks for quality %r, which %s does not have",
                      request.request_id, quality, manifest.ref)  # fmt: skip
             return 0, False
-        sync = self._loads_sync(params.get(LOAD_MODE_PARAM, self.config.load_mode), req_id)
+        sync = self._loads_sync(params.get(LOAD_MODE_PARAM), req_id)
         shared = _common_prefix(ids, manifest.token_ids)
         # Whole blocks: vLLM counts a finished asynchronous load so. A synchronous load
         # could end inside a block, but the tokens after the last whole block are few,
@@ -357,17 +363,19 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._matches[req_id] = _Match(manifest, num_computed, end, quality, deadline_s, sync)
         return end - num_computed, not sync
 
-    def _loads_sync(self, mode: Any, req_id: str) -> bool:
-        if mode not in LOAD_MODES:
-            log.info("kvcdn: request %s: ignoring %s=%r", req_id, LOAD_MODE_PARAM, mode)
-            mode = self.config.load_mode
-        if mode != "auto":
-            return mode == "sync"
-        if self._local_store is None:
+    def _loads_sync(self, asked: Any, req_id: str) -> bool:
+        """Whether this request's load is synchronous: where the connector's own choice
+        is (``load_mode``); a request may ask for ``async``, never force ``sync`` (one
+        request's synchronous load stalls every request in its step)."""
+        if self._sync_default is None:
             from kvcdn.store import LocalStore
 
-            self._local_store = isinstance(self.reader(), LocalStore)
-        return self._local_store
+            mode = self.config.load_mode
+            local = mode == "auto" and isinstance(self.reader(), LocalStore)
+            self._sync_default = self._sync_possible and (mode == "sync" or local)
+        if asked is not None and asked not in LOAD_MODES:
+            log.info("kvcdn: request %s: ignoring %s=%r", req_id, LOAD_MODE_PARAM, asked)
+        return self._sync_default and asked != "async"
 
     def _lookup_of(self, first_chunk_hash: str, now: float) -> _Lookup:
         """The lookup of the document starting with this chunk: a recent one, or a new one."""
@@ -444,12 +452,8 @@ class KvcdnConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvcdnMetadata(loads=self._pending_loads,
                              idle=scheduler_output.total_num_scheduled_tokens == 0)  # fmt: skip
-        self._steps_built += 1
         for spec in self._pending_loads:
-            if spec.sync:
-                self._sync_sent[spec.req_id] = (spec, self._steps_built)
-            else:
-                self._loading[spec.req_id] = spec
+            (self._sync_sent if spec.sync else self._loading)[spec.req_id] = spec
         self._pending_loads = []
         if not self._captures:
             return meta
@@ -476,12 +480,11 @@ class KvcdnConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         failed = connector_output.invalid_block_ids or set()
-        # a synchronous load ends within its step, and the step's failed blocks come in
-        # its output: the latest step built's, or the one before with async scheduling
-        reported = self._steps_built - self._output_lag
-        done = [spec for spec, step in self._sync_sent.values() if step <= reported]
-        for spec in done:
-            del self._sync_sent[spec.req_id]
+        # a synchronous load ends within its step, whose failed blocks come in this
+        # output (synchronous loads are made only where vLLM reports each step's
+        # output before it schedules the next)
+        done = [*self._sync_sent.values()]
+        self._sync_sent = {}
         for req_id in connector_output.finished_recving or ():
             spec = self._loading.pop(req_id, None)
             if spec is not None:
@@ -513,10 +516,11 @@ class KvcdnConnector(KVConnectorBase_V1):
         self._loading.pop(req_id, None)
         sent = self._sync_sent.pop(req_id, None)
         outcome = self._outcomes.pop(req_id, None)
-        if outcome is None and sent is not None:
+        if outcome is None and sent is not None and request.status.name != "FINISHED_ABORTED":
             # it finished in its load's step, before that step's output reached
             # update_connector_output: vLLM finishes no request whose load failed
-            outcome = self._outcome(sent[0], set())
+            # (an abort says nothing of the load)
+            outcome = self._outcome(sent, set())
         return False, ({"kvcdn": outcome} if outcome is not None else None)
 
     # ---- worker side ----------------------------------------------------------------
@@ -580,15 +584,11 @@ class KvcdnConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.warning("kvcdn: loading %s for request %s failed: %s", spec.manifest.ref,
                         spec.req_id, exc)  # fmt: skip
-        if loaded_to >= spec.end:
-            return set()
-        # the block holding the first token not loaded, and every claimed block after it
-        bs = self.block_size
-        failed = {b for i, b in enumerate(spec.block_ids) if (i + 1) * bs > loaded_to
-                  and i * bs < spec.end}  # fmt: skip
+        failed = unfilled_blocks(spec.block_ids, spec.start, spec.end, loaded_to, self.block_size)
         if failed:
             log.info("kvcdn: request %s: %d of %d tokens loaded; vLLM computes the rest",
-                     spec.req_id, loaded_to - spec.start, spec.end - spec.start)  # fmt: skip
+                     spec.req_id, max(loaded_to - spec.start, 0),
+                     spec.end - spec.start)  # fmt: skip
         return failed
 
     def _finish(self, req_id: str, failed_blocks: set[int]) -> None:
@@ -645,13 +645,28 @@ def _warm_up(layout: _PagedLayout, dim: int) -> None:
         codec.warm_up(device, torch.float32 if device == "cpu" else layout.dtype, dim)
         empty = torch.empty((len(layout.caches), 2, layout.heads, 0, layout.head_dim))
         layout.write(empty.to(device), [], 0)
-        into = layout.permuted([], 0, 0, 0)
+        into = layout.permuted([], 0, 0, 0, 0)
         if into is not None:  # the decoders that write into these blocks
             from kvcdn.kernels import rans_numba
 
             rans_numba.warm_up_permuted(into)
     except Exception as exc:  # only a first load's speed depends on it
         log.info("kvcdn: warming the decoder up failed: %s", exc)
+
+
+def unfilled_blocks(block_ids: list[int], start: int, end: int, loaded_to: int,
+                    block_size: int) -> set[int]:  # fmt: skip
+    """The blocks of a load of tokens ``[start, end)`` that stopped at ``loaded_to``,
+    for vLLM to recompute: the block holding the first token not loaded and every
+    claimed block after it, never one of vLLM's own before ``start`` (a prefix-cache
+    hit other requests may share; a load from inside a chunk that failed in that
+    chunk stopped at the chunk's start, before ``start``)."""
+    loaded_to = max(loaded_to, start)
+    if loaded_to >= end:
+        return set()
+    bs = block_size
+    return {b for i, b in enumerate(block_ids)
+            if (i + 1) * bs > loaded_to and i * bs < end and i * bs >= start}  # fmt: skip
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -738,22 +753,24 @@ class _PagedLayout:
         positions = torch.arange(start, end, dtype=torch.long)
         return (blocks[positions // bs] * bs + positions % bs).to(self.device)
 
-    def permuted(self, block_ids: list[int], first: int, lo: int, hi: int
+    def permuted(self, block_ids: list[int], first: int, tokens: int, lo: int, hi: int
                  ) -> PermutedBlocks | None:  # fmt: skip
-        """Where kvcdn's CPU kernels write a chunk whose token 0 is the request's token
-        ``first``, its tokens ``lo .. hi`` only; None for a layout they do not write."""
+        """Where kvcdn's CPU kernels write a chunk of ``tokens`` whose token 0 is the
+        request's token ``first``, its tokens ``lo .. hi`` only; None for a layout they
+        do not write."""
         if self._rows is None:
             return None
         from kvcdn.kernels.permuted import PermutedBlocks
 
         assert self._k_pos is not None and self._v_pos is not None
         blocks = np.asarray(block_ids, dtype=np.int64)
-        return PermutedBlocks(self._rows, blocks, first, lo, hi, self._k_pos, self._v_pos)
+        return PermutedBlocks(self._rows, blocks, first, lo, hi, self._k_pos, self._v_pos,
+                              tokens, self.head_dim)  # fmt: skip
 
     def write(self, kv: torch.Tensor, block_ids: list[int], start: int) -> None:
         """Write ``kv`` (``[L, 2, H, T, D]``, tokens ``start .. start + T``) into the slots
         of ``block_ids`` (the request's blocks from token 0)."""
-        into = self.permuted(block_ids, start, 0, kv.shape[3])
+        into = self.permuted(block_ids, start, kv.shape[3], 0, kv.shape[3])
         if into is not None and kv.device.type == "cpu" and kv.dtype == torch.float32:
             from kvcdn.kernels.paged_cpu import write_permuted
 
@@ -885,7 +902,8 @@ class PagedTarget:
 
     def chunk(self, start: int, end: int) -> torch.Tensor | PermutedBlocks:
         lo, hi = max(start, self.spec.start), min(end, self.spec.end)
-        into = self.layout.permuted(self.spec.block_ids, start, lo - start, max(lo, hi) - start)
+        into = self.layout.permuted(self.spec.block_ids, start, end - start, lo - start,
+                                    max(lo, hi) - start)  # fmt: skip
         if into is not None:
             return into
         shape = (len(self.layout.caches), 2, self.layout.heads, end - start, self.layout.head_dim)

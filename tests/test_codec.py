@@ -345,6 +345,8 @@ def test_decoding_into_paged_blocks_equals_decoding_then_writing(profile, real_k
     exactly what decoding to float32 and then writing with the reference write
     kernel does: every level, the exact first tokens of a document's first chunk,
     a claim that starts and ends inside the chunk, and fp16 specials."""
+    from dataclasses import replace
+
     from kvcdn.codec import FIXED_LEVELS, decode_into_blocks
     from kvcdn.kernels.paged_cpu import write_permuted
     from kvcdn.kernels.permuted import PermutedBlocks
@@ -358,16 +360,25 @@ def test_decoding_into_paged_blocks_equals_decoding_then_writing(profile, real_k
                             start=start)  # fmt: skip
         fused, blocks, k_pos, v_pos = _paged_cache(dtype)
         reference = fused.copy()
-        into = PermutedBlocks(fused, blocks, start, lo, hi, k_pos, v_pos)
+        into = PermutedBlocks(fused, blocks, start, lo, hi, k_pos, v_pos, 256, 64)
         header = decode_into_blocks(data, into, profile=profile, chunk_hash=HASH)
         assert header.level == level
         _, decoded = decode_chunk(data, profile=profile)
         write_permuted(np.ascontiguousarray(decoded.float().numpy()),
-                       PermutedBlocks(reference, blocks, start, lo, hi, k_pos, v_pos))  # fmt: skip
+                       PermutedBlocks(reference, blocks, start, lo, hi, k_pos, v_pos, 256,
+                                      64))  # fmt: skip
         assert np.array_equal(fused.view(np.uint8), reference.view(np.uint8)), (start, lo, hi)
         assert fused.any()
     with pytest.raises(FormatError, match="another chunk"):
         decode_into_blocks(data, into, profile=profile, chunk_hash="cd" * 32)
+    # a chunk of another shape (half the lanes would double the block size the
+    # kernels compute, and land in blocks the claim does not own) is refused
+    with pytest.raises((FormatError, ValueError)):
+        decode_into_blocks(data, replace(into, tokens=128), profile=profile)
+    if level in FIXED_LEVELS:
+        halved = encode_chunk(lv, kv[:, :, :, :512].reshape(30, 2, 3, 512, 64)[..., :32], HASH)
+        with pytest.raises(ValueError, match="lanes"):
+            decode_into_blocks(halved, replace(into, tokens=512), profile=profile)
 
 
 def test_a_corrupt_stream_decoded_into_blocks_is_an_error(profile, real_kv):
@@ -380,6 +391,6 @@ def test_a_corrupt_stream_decoded_into_blocks_is_an_error(profile, real_kv):
     body = bytearray(payload)
     body[-9] ^= 0x5A  # a word of the last group's stream
     cache, blocks, k_pos, v_pos = _paged_cache(np.uint16)
-    into = PermutedBlocks(cache, blocks, 256, 0, 256, k_pos, v_pos)
+    into = PermutedBlocks(cache, blocks, 256, 0, 256, k_pos, v_pos, 256, 64)
     with pytest.raises(FormatError, match="corrupt"):
         decode_into_blocks(pack(header, bytes(body)), into, profile=profile, chunk_hash=HASH)

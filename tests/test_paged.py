@@ -140,8 +140,8 @@ def test_permuted_write_refuses_what_does_not_fit():
     kv = np.zeros((2, 2, 3, 20, 8), dtype=np.float32)
     pos = np.arange(16 * 8)
 
-    def into(blocks, first=0, lo=0, hi=20, k_pos=pos):
-        return PermutedBlocks(cache, np.array(blocks), first, lo, hi, k_pos, k_pos)
+    def into(blocks, first=0, lo=0, hi=20, k_pos=pos, tokens=20, dim=8):
+        return PermutedBlocks(cache, np.array(blocks), first, lo, hi, k_pos, k_pos, tokens, dim)
 
     write_permuted(kv, into([3, 0]))
     write_permuted(kv, into([3, 0, 4], first=12, lo=0, hi=20))  # the unused id is not read
@@ -155,6 +155,10 @@ def test_permuted_write_refuses_what_does_not_fit():
         write_permuted(kv.astype(np.float64), into([3, 0]))
     with pytest.raises(ValueError, match="permutations"):
         write_permuted(kv, into([3, 0], k_pos=pos[:-1]))
+    # values of another shape than the destination's chunk (4 lanes would make blocks
+    # of 32 tokens: the kernel would write into blocks the claim does not own)
+    with pytest.raises(ValueError, match="lanes given"):
+        write_permuted(np.zeros((2, 2, 3, 40, 4), dtype=np.float32), into([3, 0], hi=40))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")

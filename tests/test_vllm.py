@@ -455,3 +455,18 @@ def test_connector_configuration_mistakes_are_named(extra, problem):
         ConnectorConfig.parse(extra)
     ok = ConnectorConfig.parse({"store": "/tmp/kv", "deadline_s": 0.5, "lookup_ttl_s": 0})
     assert ok.deadline_s == 0.5 and ok.quality == "auto"
+
+
+def test_a_load_that_falls_short_reports_only_its_own_blocks():
+    """What vLLM is told to recompute: from the block of the first token not loaded,
+    within the claim; never a block of vLLM's own prefix-cache hit before the claim
+    (other requests share those), even when the load began inside a chunk (vLLM had
+    its first 64 tokens) and failed in that chunk, stopping at its start."""
+    from kvcdn.sdk.vllm import unfilled_blocks
+
+    blocks = [10, 11, 12, 13, 14, 15, 16, 17]  # blocks of 64 tokens, chunks of 256
+    assert unfilled_blocks(blocks, 0, 512, 512, 64) == set()
+    assert unfilled_blocks(blocks, 0, 512, 256, 64) == {14, 15, 16, 17}
+    assert unfilled_blocks(blocks, 64, 512, 0, 64) == {11, 12, 13, 14, 15, 16, 17}
+    assert unfilled_blocks(blocks, 128, 448, 256, 64) == {14, 15, 16}
+    assert unfilled_blocks(blocks, 0, 512, 300, 64) == {14, 15, 16, 17}  # mid-block
