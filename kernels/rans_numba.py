@@ -152,17 +152,74 @@ def quantise_encode(
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _lanes(states, table_id, scale, offset, g):  # pragma: no cover - jitted
+    """Group ``g``'s lane state and tables, as contiguous per-lane arrays."""
+    D = states.shape[1]
+    x = np.empty(D, dtype=np.uint32)
+    tab = np.empty(D, dtype=np.int64)
+    sc = np.empty(D, dtype=np.float32)
+    of = np.empty(D, dtype=np.float32)
+    for d in range(D):
+        x[d] = states[g, d]
+        tab[d] = table_id[g, d]
+        sc[d] = scale[g, d]
+        of[d] = offset[g, d]
+    return x, tab, sc, of
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _next_token(
+    x, tab, lut, words, pos, last, value, sc, of, nx, need, at
+):  # pragma: no cover - jitted
+    """One token of a group: every lane's next symbol, dequantised into ``value``,
+    each state advanced; returns the group's new word position.
+
+    Three passes over the lanes instead of one: the decode-table lookups of all
+    lanes first (independent: vectorised, with gathers), then where each
+    renormalising lane's word is (a running sum, the only serial part), then the
+    reads (independent again). One pass (:func:`_next_symbol`) carries the word
+    position from lane to lane: 1.35x slower into an array (2,120 tokens, 2 CPUs:
+    0.060 s against 0.043 s; one CPU 0.113 s against 0.082 s). The read index is
+    clamped to the group's words (a corrupt stream cannot read outside them);
+    overruns show as pos > end.
+    """
+    D = x.size
+    for d in range(D):
+        xd = x[d]
+        e = lut[tab[d], xd & np.uint32(_MASK)]
+        v = (((e >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)) * (
+            xd >> np.uint32(PROB_BITS)
+        ) + (e >> np.uint32(20))
+        nx[d] = v
+        need[d] = np.uint32(1) if v < np.uint32(RANS_L) else np.uint32(0)
+        value[d] = np.float32(e & np.uint32(0xFF)) * sc[d] + of[d]
+    for d in range(D):
+        at[d] = pos
+        pos += need[d]
+    for d in range(D):
+        w = np.uint32(words[min(at[d], last)]) if words.size else np.uint32(0)
+        x[d] = (nx[d] << np.uint32(16)) | w if need[d] else nx[d]
+    return pos
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _next_symbol(x, d, lut, tab, words, pos, last):  # pragma: no cover - jitted
     """Lane ``d``'s next symbol (the decode-table entry's low byte), advancing its state
-    ``x[d]`` and, when it renormalises, the group's word position; returns both."""
+    ``x[d]`` and, when it renormalises, the group's word position; returns both.
+
+    :func:`_next_token` in one pass, lane by lane: slower for a plain output (1.3x),
+    but 1.1x faster where each value is scattered into paged blocks as it comes
+    (the scattered stores overlap the serial decode; measured on 2,120 tokens, 2
+    CPUs: 0.058 s against 0.064-0.067 s for three passes plus the scatter, and
+    0.064 s for three passes into a staging array plus :mod:`.paged_cpu`'s write).
+    Branch-free renormalisation: whether a lane needs a word is data-dependent and
+    unpredictable, so select instead of branch; the read index is clamped as in
+    :func:`_next_token`.
+    """
     xd = x[d]
-    e = lut[tab, xd & np.uint32(_MASK)]
+    e = lut[tab[d], xd & np.uint32(_MASK)]
     xd = ((e >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)
     xd = xd * (x[d] >> np.uint32(PROB_BITS)) + (e >> np.uint32(20))
-    # Branch-free renormalisation: whether a lane needs a word is data-dependent and
-    # unpredictable, so select instead of branch. The read index is clamped to the
-    # group's words (a corrupt stream cannot read outside them); overruns show as
-    # pos > end.
     w = np.uint32(words[min(pos, last)]) if words.size else np.uint32(0)
     need = xd < np.uint32(RANS_L)
     x[d] = (xd << np.uint32(16)) | w if need else xd
@@ -181,28 +238,24 @@ def _stream_ok(x, pos, end):  # pragma: no cover - jitted
     return True
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _initial(states, g):  # pragma: no cover - jitted
-    x = np.empty(states.shape[1], dtype=np.uint32)
-    for d in range(states.shape[1]):
-        x[d] = states[g, d]
-    return x
-
-
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _decode(
     words, word_start, states, lut, table_id, scale, offset, out, status
 ):  # pragma: no cover
     G, T, D = out.shape
     for g in prange(G):
-        x = _initial(states, g)
+        x, tab, sc, of = _lanes(states, table_id, scale, offset, g)
+        nx = np.empty(D, dtype=np.uint32)
+        need = np.empty(D, dtype=np.uint32)
+        at = np.empty(D, dtype=np.int64)
+        value = np.empty(D, dtype=np.float32)
         pos = word_start[g]
         end = word_start[g + 1]
         last = max(end - 1, 0)
         for t in range(T):
+            pos = _next_token(x, tab, lut, words, pos, last, value, sc, of, nx, need, at)
             for d in range(D):
-                sym, pos = _next_symbol(x, d, lut, table_id[g, d], words, pos, last)
-                out[g, t, d] = np.float32(sym) * scale[g, d] + offset[g, d]
+                out[g, t, d] = value[d]
         status[g] = 0 if _stream_ok(x, pos, end) else 1
 
 
@@ -234,7 +287,8 @@ def _decode_permuted(
         layer = g // (2 * heads)
         kv = g // heads % 2
         h = g % heads
-        x = _initial(states, g)
+        pos_of = k_pos if kv == 0 else v_pos
+        x, tab, sc, of = _lanes(states, table_id, scale, offset, g)
         pos = word_start[g]
         end = word_start[g + 1]
         last = max(end - 1, 0)
@@ -244,14 +298,13 @@ def _decode_permuted(
             b = blocks[p // block_size] if write else 0
             e = (p % block_size) * D
             for d in range(D):
-                sym, pos = _next_symbol(x, d, lut, table_id[g, d], words, pos, last)
+                sym, pos = _next_symbol(x, d, lut, tab, words, pos, last)
                 if write:
-                    value = np.float32(sym) * scale[g, d] + offset[g, d]
-                    at = k_pos[e + d] if kv == 0 else v_pos[e + d]
+                    value = np.float32(sym) * sc[d] + of[d]
                     if to_bf16:
-                        cache[layer, b, h, kv, at] = bf16_bits(value)
+                        cache[layer, b, h, kv, pos_of[e + d]] = bf16_bits(value)
                     else:
-                        cache[layer, b, h, kv, at] = value
+                        cache[layer, b, h, kv, pos_of[e + d]] = value
         status[g] = 0 if _stream_ok(x, pos, end) else 1
 
 
