@@ -401,6 +401,9 @@ def decode_into_blocks(
 
     header, payload = _open(data, name, verified, chunk_hash)
     layers, two, heads, tokens, dim = header.shape
+    if (tokens, dim) != (into.tokens, into.dim):  # before any write (the sinks come first)
+        raise FormatError(f"{name} holds {tokens} tokens of {dim} lanes, its place in the "
+                          f"blocks {into.tokens} of {into.dim}")  # fmt: skip
     try:
         if header.codec == "fp16":
             write_permuted(_fp16_bits(header, payload, name), into)

@@ -446,15 +446,19 @@ class LocalStore(Store):
         path = self._path(key)
         limit = -1 if max_bytes is None else max_bytes + 1  # one byte more shows "too large"
         pieces: list[bytes] = []
+        received = 0
+        if cancel is not None and cancel.is_set():
+            raise FetchCancelled
         with self._errors(f"reading {key}"), open(path, "rb") as f:
             while True:
                 if cancel is not None and cancel.is_set():
                     raise FetchCancelled
-                want = FETCH_PIECE if limit < 0 else min(FETCH_PIECE, limit - sum(map(len, pieces)))
+                want = FETCH_PIECE if limit < 0 else min(FETCH_PIECE, limit - received)
                 piece = f.read(want) if want > 0 else b""
                 if not piece:
                     break
                 pieces.append(piece)
+                received += len(piece)
                 if on_bytes is not None:
                     on_bytes(len(piece))
                 if len(piece) < want:

@@ -546,7 +546,8 @@ class KvcdnConnector(KVConnectorBase_V1):
             if spec.sync:  # vLLM reads its failed blocks after this step's forward
                 self._failed_now |= self._load(spec)
             elif self._writer is None:
-                self._finish(spec.req_id, set(spec.block_ids))
+                self._finish(spec.req_id, unfilled_blocks(spec.block_ids, spec.start, spec.end,
+                                                          spec.start, self.block_size))  # fmt: skip
             else:
                 with self._done_lock:
                     self._in_flight += 1
@@ -561,7 +562,8 @@ class KvcdnConnector(KVConnectorBase_V1):
     def _load(self, spec: LoadSpec) -> set[int]:
         """Load ``spec``; the ids of the blocks it did not fill."""
         if self._writer is None or self.identity is None:
-            return set(spec.block_ids[spec.start // self.block_size :])
+            return unfilled_blocks(spec.block_ids, spec.start, spec.end, spec.start,
+                                   self.block_size)  # fmt: skip
         loaded_to = spec.start
         try:
             chunk = self.config.chunk_tokens
@@ -658,15 +660,15 @@ def unfilled_blocks(block_ids: list[int], start: int, end: int, loaded_to: int,
                     block_size: int) -> set[int]:  # fmt: skip
     """The blocks of a load of tokens ``[start, end)`` that stopped at ``loaded_to``,
     for vLLM to recompute: the block holding the first token not loaded and every
-    claimed block after it, never one of vLLM's own before ``start`` (a prefix-cache
-    hit other requests may share; a load from inside a chunk that failed in that
-    chunk stopped at the chunk's start, before ``start``)."""
+    claimed block after it, never one wholly vLLM's own before ``start`` (a
+    prefix-cache hit other requests may share; a load from inside a chunk that
+    failed in that chunk stopped at the chunk's start, before ``start``)."""
     loaded_to = max(loaded_to, start)
     if loaded_to >= end:
         return set()
     bs = block_size
     return {b for i, b in enumerate(block_ids)
-            if (i + 1) * bs > loaded_to and i * bs < end and i * bs >= start}  # fmt: skip
+            if (i + 1) * bs > loaded_to and i * bs < end and (i + 1) * bs > start}  # fmt: skip
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

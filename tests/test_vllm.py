@@ -470,3 +470,5 @@ def test_a_load_that_falls_short_reports_only_its_own_blocks():
     assert unfilled_blocks(blocks, 64, 512, 0, 64) == {11, 12, 13, 14, 15, 16, 17}
     assert unfilled_blocks(blocks, 128, 448, 256, 64) == {14, 15, 16}
     assert unfilled_blocks(blocks, 0, 512, 300, 64) == {14, 15, 16, 17}  # mid-block
+    # a start inside a block (not vLLM's: it caches whole blocks) keeps that block
+    assert unfilled_blocks(blocks, 100, 512, 0, 64) == {11, 12, 13, 14, 15, 16, 17}
