@@ -153,13 +153,8 @@ def decode_chunk(
     """
     header, payload = _open(data, name, verified, chunk_hash)
     if header.codec == RANS_CODEC:
-        if profile is None:
-            raise FormatError(f"{name} needs a codec profile to decode, and none was given")
         return header, _decode_rans(header, payload, name, device, profile, out)
-    decoder = _DECODERS.get(header.codec)
-    if decoder is None:
-        raise FormatError(f"{name} uses codec '{header.codec}', which this kvcdn cannot decode")
-    kv = decoder(header, payload, name, device)
+    kv = _fixed_decoder(header, name)(header, payload, name, device)
     if out is not None:
         if tuple(out.shape) != tuple(kv.shape):
             raise FormatError(f"{name} has shape {list(kv.shape)}, not {list(out.shape)}")
@@ -331,7 +326,7 @@ def _decode_rans(
     payload: memoryview,
     name: str,
     device: str,
-    profile: CodecProfile,
+    profile: CodecProfile | None,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
     import torch
@@ -339,6 +334,7 @@ def _decode_rans(
     from kvcdn.kernels.rans import RansError
 
     parts = _rans_parts(header, payload, name, profile)
+    assert profile is not None  # _rans_parts refuses none
     groups, s, tokens, dim = parts.groups, parts.sinks, header.shape[3], header.shape[4]
     words, word_start, states = parts.words, parts.word_start, parts.states
     if out is None:
@@ -409,7 +405,7 @@ def decode_into_blocks(
             write_permuted(_fp16_bits(header, payload, name), into)
         elif header.codec == RANS_CODEC:
             parts = _rans_parts(header, payload, name, profile)
-            assert profile is not None
+            assert profile is not None  # _rans_parts refuses none
             s = parts.sinks
             if s:
                 sink = parts.sink.view(np.uint16).reshape(layers, two, heads, s, dim)
@@ -421,15 +417,19 @@ def decode_into_blocks(
                 scale, offset, tokens - s, into.after(s),
             )  # fmt: skip
         else:
-            decoder = _DECODERS.get(header.codec)
-            if decoder is None:
-                raise FormatError(f"{name} uses codec '{header.codec}', which this kvcdn "
-                                  "cannot decode")  # fmt: skip
-            kv = decoder(header, payload, name, "cpu")
+            kv = _fixed_decoder(header, name)(header, payload, name, "cpu")
             write_permuted(np.ascontiguousarray(kv.float().numpy()), into)
     except RansError as exc:
         raise FormatError(f"{name}: {exc}") from None
     return header
+
+
+def _fixed_decoder(header: ChunkHeader, name: str) -> Any:
+    """The decoder of a codec without a profile (fp16, int8), or a clear refusal."""
+    decoder = _DECODERS.get(header.codec)
+    if decoder is None:
+        raise FormatError(f"{name} uses codec '{header.codec}', which this kvcdn cannot decode")
+    return decoder
 
 
 def _open(
