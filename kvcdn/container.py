@@ -24,6 +24,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,9 +77,30 @@ def unpack(
     manifest's); every length and field is still validated.
     """
     view = memoryview(data)
-    if len(view) < _PREAMBLE.size + _DIGEST_BYTES:
-        raise FormatError(f"{name} is truncated ({len(view)} bytes)")
-    magic, version, flags, head_len, payload_len = _PREAMBLE.unpack_from(view)
+    head_len = _check_preamble(bytes(view[: _PREAMBLE.size]), len(view), name)
+    body_end = len(view) - _DIGEST_BYTES
+    if verify_digest and hashlib.sha256(view[:body_end]).digest() != bytes(view[body_end:]):
+        raise IntegrityError(f"{name} fails its checksum (corrupted)")
+    head_start = _PREAMBLE.size
+    header = _parse_header(bytes(view[head_start : head_start + head_len]), name)
+    return header, view[head_start + head_len : body_end]
+
+
+def read_header(read_at: Callable[[int, int], bytes], size: int, *,
+                name: str = "chunk object") -> ChunkHeader:  # fmt: skip
+    """The header of a chunk object of ``size`` bytes that is not in memory (a file):
+    ``read_at(offset, n)`` returns its bytes ``[offset, offset + n)``. The same checks
+    as :func:`unpack` but the trailer's, which callers replace by the whole object's
+    sha256 (the one in its key), computed as it was written."""
+    head_len = _check_preamble(read_at(0, _PREAMBLE.size), size, name)
+    return _parse_header(read_at(_PREAMBLE.size, head_len), name)
+
+
+def _check_preamble(preamble: bytes, size: int, name: str) -> int:
+    """The header's length, once the preamble of an object of ``size`` bytes holds up."""
+    if size < _PREAMBLE.size + _DIGEST_BYTES or len(preamble) < _PREAMBLE.size:
+        raise FormatError(f"{name} is truncated ({size} bytes)")
+    magic, version, flags, head_len, payload_len = _PREAMBLE.unpack_from(preamble)
     if magic != MAGIC:
         raise FormatError(f"{name} is not a kvcdn chunk (bad magic)")
     if version != FORMAT_VERSION:
@@ -91,22 +113,18 @@ def unpack(
     if head_len > MAX_HEADER_BYTES:
         raise FormatError(f"{name} declares a {head_len}-byte header (limit {MAX_HEADER_BYTES})")
     expected = _PREAMBLE.size + head_len + payload_len + _DIGEST_BYTES
-    if expected != len(view):
+    if expected != size:
         raise FormatError(
-            f"{name} is {len(view)} bytes but its lengths add up to {expected} "
+            f"{name} is {size} bytes but its lengths add up to {expected} "
             "(truncated or padded)"
         )
-    body_end = len(view) - _DIGEST_BYTES
-    if verify_digest and hashlib.sha256(view[:body_end]).digest() != bytes(view[body_end:]):
-        raise IntegrityError(f"{name} fails its checksum (corrupted)")
-    head_start = _PREAMBLE.size
-    raw = loads(
-        bytes(view[head_start : head_start + head_len]),
-        what=f"{name} header",
-        max_bytes=MAX_HEADER_BYTES,
-    )
-    header = _validate_header(raw, name)
-    return header, view[head_start + head_len : body_end]
+    return head_len
+
+
+def _parse_header(raw: bytes, name: str) -> ChunkHeader:
+    if len(raw) > MAX_HEADER_BYTES:
+        raise FormatError(f"{name} header is larger than {MAX_HEADER_BYTES} bytes")
+    return _validate_header(loads(raw, what=f"{name} header", max_bytes=MAX_HEADER_BYTES), name)
 
 
 def _validate_header(raw: Any, name: str) -> ChunkHeader:

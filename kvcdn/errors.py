@@ -52,6 +52,10 @@ class AccessDenied(StoreError):
     """A store or edge refused the credentials or token given (or needs one)."""
 
 
+class DeadlineExceeded(StoreError):
+    """The store or an edge did not answer in the time a load had left."""
+
+
 class ConcurrentPublish(StoreError):
     """Another publisher wrote the same version first."""
 

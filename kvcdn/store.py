@@ -20,13 +20,14 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 from urllib.parse import urlsplit
 
 import fsspec
@@ -74,17 +75,22 @@ class FetchCancelled(Exception):
 
 
 class Cancel:
-    """Cancels a fetch from another thread, even one blocked on a stalled link.
+    """Cancels a fetch from another thread, even one blocked on a stalled link, and
+    says by when it must end.
 
     Setting it marks the fetch cancelled and runs the abort the reader bound
     (an edge read shuts its socket, so the read returns at once instead of at
-    its timeout); a store read sees the flag between pieces.
+    its timeout); a store read sees the flag between pieces. ``deadline``
+    (``time.monotonic()`` seconds, or None) bounds the waits of readers that
+    can bound them (an edge read's timeouts); a reader that cannot is given up
+    by its caller (:class:`kvcdn.sdk.bounded.BoundedReader`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float | None = None) -> None:
         self._set = False
         self._abort: Callable[[], None] | None = None
         self._lock = threading.Lock()
+        self.deadline = deadline
 
     def is_set(self) -> bool:
         return self._set
@@ -104,6 +110,19 @@ class Cancel:
             self._abort = abort
         if abort is not None and self._set:
             self.set()
+
+    def limit(self, deadline: float | None) -> None:
+        """Make the deadline ``deadline`` if that is sooner (None changes nothing)."""
+        if deadline is not None and (self.deadline is None or deadline < self.deadline):
+            self.deadline = deadline
+
+    def time_left(self) -> float | None:
+        """Seconds until the deadline (negative once passed); None without one."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def deadline_passed(self) -> bool:
+        left = self.time_left()
+        return left is not None and left <= 0
 
 
 @dataclass
@@ -215,19 +234,9 @@ class Store:
         check: Check | None = None,
         placement: str | None = None,
     ) -> bytes:
-        """The bytes of ``key``; a larger object is refused after ``max_bytes`` + 1 bytes
-        (one ranged read), and ``check`` runs on what was read."""
-        with self._errors(f"reading {key}"):
-            if max_bytes is None:
-                data = self.fs.cat_file(self._path(key), **self.read_kwargs)
-            else:
-                data = self.fs.cat_file(
-                    self._path(key), start=0, end=max_bytes + 1, **self.read_kwargs
-                )
-        self._check_size(key, data, max_bytes)
-        if check is not None:
-            check(data)
-        return data
+        """The bytes of ``key``; a larger object is refused after ``max_bytes`` + 1 bytes,
+        and ``check`` runs on what was read."""
+        return self.fetch(key, max_bytes=max_bytes, check=check).data
 
     def fetch(
         self,
@@ -239,42 +248,55 @@ class Store:
         on_bytes: Callable[[int], None] | None = None,
         cancel: Cancel | None = None,
     ) -> Fetched:
-        """:meth:`get` in ranged pieces of :data:`FETCH_PIECE`, reporting each and
-        stopping between two when ``cancel`` is set."""
+        """:meth:`get` in pieces (:meth:`pieces`), reporting each and stopping between
+        two when ``cancel`` is set."""
         started = time.perf_counter()
+        pieces: list[bytes] = []
+        for piece in self.pieces(key, max_bytes=max_bytes, cancel=cancel):
+            pieces.append(piece)
+            if on_bytes is not None:
+                on_bytes(len(piece))
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if check is not None:
+            check(data)
+        return Fetched(key, data, self.url, time.perf_counter() - started)
+
+    def pieces(
+        self, key: str, *, max_bytes: int | None = None, cancel: Cancel | None = None
+    ) -> Iterator[bytes]:
+        """The bytes of ``key`` in ranged pieces of at most :data:`FETCH_PIECE`, never
+        held together: a larger object than ``max_bytes`` is refused
+        (:class:`FormatError`) once one byte more has arrived, and ``cancel`` stops
+        the read between two pieces (:class:`FetchCancelled`)."""
         path = self._path(key)
         limit = None if max_bytes is None else max_bytes + 1  # one byte more shows "too large"
-        pieces: list[bytes] = []
         received = 0
         end = FETCH_PIECE if limit is None else min(limit, FETCH_PIECE)
+        first = True
         while True:
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled
             with self._errors(f"reading {key}"):
                 piece = self.fs.cat_file(path, start=received, end=end, **self.read_kwargs)
-            pieces.append(piece)
             received += len(piece)
-            if on_bytes is not None and piece:
-                on_bytes(len(piece))
+            self._check_size(key, received, max_bytes)
+            if piece:
+                yield piece
             if received < end or received == limit:
-                break
-            if len(pieces) == 1:
+                return
+            if first:
                 # A large object: its size bounds the next ranges (a range past the end
                 # is an error on S3, where a short read would be the only other sign).
+                first = False
                 with self._errors(f"reading {key}"):
                     size = int(self.fs.size(path))
                 limit = size if limit is None else min(limit, size)
                 if received >= limit:
-                    break
+                    return
             end = received + FETCH_PIECE if limit is None else min(limit, received + FETCH_PIECE)
-        data = b"".join(pieces)
-        self._check_size(key, data, max_bytes)
-        if check is not None:
-            check(data)
-        return Fetched(key, data, self.url, time.perf_counter() - started)
 
-    def _check_size(self, key: str, data: bytes, max_bytes: int | None) -> None:
-        if max_bytes is not None and len(data) > max_bytes:
+    def _check_size(self, key: str, size: int, max_bytes: int | None) -> None:
+        if max_bytes is not None and size > max_bytes:
             raise FormatError(f"{key} in {self.url} is larger than the {max_bytes} bytes expected")
 
     def list(self, prefix: str = "") -> list[str]:
@@ -427,47 +449,34 @@ class LocalStore(Store):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def fetch(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-        on_bytes: Callable[[int], None] | None = None,
-        cancel: Cancel | None = None,
-    ) -> Fetched:
-        """:meth:`Store.fetch` from one open file: the same pieces, reported and
-        cancellable between them, without reopening the file and asking its size
-        for each piece (a local load of a document's chunks is dominated by copies
-        and hashes; one piece, the usual chunk object, is read straight into the
-        result)."""
-        started = time.perf_counter()
+    def pieces(
+        self, key: str, *, max_bytes: int | None = None, cancel: Cancel | None = None
+    ) -> Iterator[bytes]:
+        """:meth:`Store.pieces` from one open file, without reopening it and asking its
+        size for each piece (a local load of a document's chunks is dominated by
+        copies and hashes; one piece, the usual chunk object, is read straight into
+        the result).
+
+        Only a regular file is read: a FIFO, a device or a socket in an object's
+        place would block the read or never end (:class:`FormatError`)."""
         path = self._path(key)
         limit = -1 if max_bytes is None else max_bytes + 1  # one byte more shows "too large"
-        pieces: list[bytes] = []
         received = 0
         if cancel is not None and cancel.is_set():
             raise FetchCancelled
-        with self._errors(f"reading {key}"), open(path, "rb") as f:
+        with self._errors(f"reading {key}"), _open_regular(path, key, self.url) as f:
             while True:
                 if cancel is not None and cancel.is_set():
                     raise FetchCancelled
                 want = FETCH_PIECE if limit < 0 else min(FETCH_PIECE, limit - received)
                 piece = f.read(want) if want > 0 else b""
                 if not piece:
-                    break
-                pieces.append(piece)
+                    return
                 received += len(piece)
-                if on_bytes is not None:
-                    on_bytes(len(piece))
+                self._check_size(key, received, max_bytes)
+                yield piece
                 if len(piece) < want:
-                    break
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        self._check_size(key, data, max_bytes)
-        if check is not None:
-            check(data)
-        return Fetched(key, data, self.url, time.perf_counter() - started)
+                    return
 
     def list_stats(self, prefix: str = "") -> dict[str, KeyStat]:
         self._require_root()
@@ -515,10 +524,6 @@ class LocalStore(Store):
 class S3Store(Store):
     """S3 and S3-compatible services through s3fs."""
 
-    # One GET per object: s3fs otherwise sends a HEAD first to decide on
-    # parallel ranged reads, a whole extra round trip on every read.
-    read_kwargs = {"max_concurrency": 1}
-
     def _create(self, path: str, data: bytes) -> bool:
         try:
             self.fs.pipe_file(path, data, mode="create")  # If-None-Match: *
@@ -529,6 +534,41 @@ class S3Store(Store):
                 return False
             raise
         return True
+
+    def pieces(
+        self, key: str, *, max_bytes: int | None = None, cancel: Cancel | None = None
+    ) -> Iterator[bytes]:
+        """One GET (of at most ``max_bytes`` + 1 bytes), its body read a piece at a time
+        as it streams in: one request per object, whatever its size."""
+        from fsspec.asyn import sync
+
+        bucket, _, path = self._path(key).partition("/")
+        args: dict[str, Any] = {"Bucket": bucket, "Key": path}
+        if max_bytes is not None:
+            args["Range"] = f"bytes=0-{max_bytes}"  # one byte more shows "too large"
+        if cancel is not None and cancel.is_set():
+            raise FetchCancelled
+        with self._errors(f"reading {key}"):
+            try:
+                body = self.fs.call_s3("get_object", **args)["Body"]
+            except Exception as exc:
+                if _s3_code(exc) == "InvalidRange":  # an empty object has no byte 0
+                    return
+                raise
+        try:
+            received = 0
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise FetchCancelled
+                with self._errors(f"reading {key}"):
+                    piece = sync(self.fs.loop, body.read, FETCH_PIECE)
+                if not piece:
+                    return
+                received += len(piece)
+                self._check_size(key, received, max_bytes)
+                yield piece
+        finally:
+            body.close()
 
     def iter_keys(self, prefix: str = "", *, after: str = "") -> Iterator[str]:
         bucket, _, root = self.root.partition("/")
@@ -627,6 +667,20 @@ def open_store(
             store = Store(url, fs, fs._strip_protocol(url))
     store.check(create)
     return store
+
+
+def _open_regular(path: str, key: str, url: str) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file (:class:`FormatError`
+    otherwise). The open does not wait for a FIFO's writer (``O_NONBLOCK``, which
+    does nothing to a regular file's reads)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError(f"{key} in {url} is not a regular file; it cannot be an object")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _modified(info: dict[str, Any]) -> float:
