@@ -115,6 +115,23 @@ def _parse_size(value: str, option: str) -> int:
     type=click.IntRange(1, 256),
     help="Origin fetches that warm jobs may run at once.",
 )
+@click.option(
+    "--idle-timeout",
+    default=15.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1, max=3600),
+    metavar="SECONDS",
+    help="Close a connection that sends no whole request this long after it opened or "
+    "after its last response (a header and idle timeout: slow or silent clients hold "
+    "no descriptor).",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Answer 503 to connections beyond N open ones. [default: what the descriptor "
+    "limit, raised to its maximum, leaves room for]",
+)
 @trust_option
 @click.option(
     "--s3-keys",
@@ -147,6 +164,8 @@ def edge_serve(
     throttle_scale: float,
     throttle_offset: float,
     warm_concurrency: int,
+    idle_timeout: float,
+    max_connections: int | None,
     trust_file: Path | None,
     s3_keys_file: Path | None,
     max_stale: float,
@@ -201,17 +220,20 @@ def edge_serve(
         cache = DiskCache(cache_dir, _parse_size(max_bytes, "--max-bytes"))
     except OSError as exc:
         raise click.BadParameter(f"cannot use {cache_dir}: {exc.strerror}") from None
+    admin_token = _read_token(admin_token_file)
+    loopback = _is_loopback(host)
     node = Edge(
         cache,
         origins,
         read_token,
-        admin_token=_read_token(admin_token_file),
+        admin_token=admin_token,
         view=BucketView.for_origin(origin, bucket),
         warm_concurrency=warm_concurrency,
         shaper=_shaper(rate_limit, throttle_trace, throttle_scale, throttle_offset),
         trust=trust,
         s3_keys=s3_keys,
         max_stale_s=max_stale,
+        admin_open=loopback,
     )
     checks = [n for n, on in (("signed manifests", trust), ("S3 signatures", s3_keys)) if on]
     err.print(
@@ -223,7 +245,40 @@ def edge_serve(
             "note: with --s3-keys and no --token-file only signed S3 requests can read; "
             "kvcdn SDK readers send the bearer token of --token-file"
         )
-    run(node, host, int(port))
+    if not loopback and admin_token is None and read_token is None:
+        err.print(
+            f"note: listening on {escape(host)} beyond loopback without --admin-token-file: "
+            "POST /warm and /shaping are refused (403)"
+        )
+    _raise_file_limit()
+    run(node, host, int(port), idle_timeout_s=idle_timeout, max_connections=max_connections)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is reachable from this machine only."""
+    import ipaddress
+
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def _raise_file_limit() -> None:
+    """An edge serves many connections, each a descriptor: take the hard limit
+    (as nginx's worker_rlimit_nofile does), up to a million."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < min(want, 1 << 20):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, 1 << 20), hard))
+        except (ValueError, OSError):
+            pass  # the limit stays; max_connections follows it
 
 
 def _shaper(rate: str | None, trace: Path | None, scale: float, offset: float) -> Any:
@@ -303,7 +358,8 @@ def warm(
     profile and chunk objects in the background, then follows the jobs until
     they finish. Warming is idempotent: objects an edge holds are not fetched
     again. With --prefix, every document whose name starts with it is warmed
-    (a store of many documents: an edge gets one job per 50,000 keys).
+    (a store of many documents: an edge gets one job per 4,096 keys, at most 4 running
+    at once).
 
     \b
       kvcdn warm sed-manual bash@3 --edge http://edge-a:8080 --edge http://edge-b:8080
@@ -339,7 +395,7 @@ def warm(
         bars: dict[str, Any] = {}
 
         def advance(assignment: Any, done: int, total: int) -> None:
-            job = id(assignment)  # an edge gets one job per 50,000 keys
+            job = id(assignment)  # an edge gets one job per 4,096 keys
             if job not in bars:
                 bars[job] = progress.add_task(escape(assignment.edge), total=total)
             progress.update(bars[job], completed=done)

@@ -2,8 +2,10 @@
 
 Readers send the bearer token of ``--token-file``; with ``--s3-keys``, S3
 clients sign instead (AWS Signature V4, checked by :mod:`.s3auth`). The
-admin endpoints take the admin token, or the read token when there is none.
-Tokens are compared in constant time.
+admin endpoints take the admin token, or the read token when there is none;
+with neither, they are open only on an edge that listens on loopback
+(``admin_open``), and refused (403) otherwise. Tokens are compared in
+constant time.
 """
 
 from __future__ import annotations
@@ -23,15 +25,26 @@ class Access:
         read_token: str | None = None,
         admin_token: str | None = None,
         s3_keys: S3Keys | None = None,
+        *,
+        admin_open: bool = True,
     ) -> None:
         self.read_token = read_token
         # Without an admin token, warming is as open as reading (it fetches
-        # nothing a reader could not make the edge fetch).
+        # nothing a reader could not make the edge fetch) ...
         self.admin_token = admin_token if admin_token is not None else read_token
         self.s3_keys = s3_keys
+        # ... but only where just this machine can reach it: warm jobs and link
+        # shaping change what the edge does for everyone.
+        self.admin_open = admin_open
 
     def check_admin(self, request: web.Request) -> None:
-        """``HTTPUnauthorized`` unless the request carries the admin token."""
+        """``HTTPUnauthorized`` unless the request carries the admin token;
+        ``HTTPForbidden`` when there is none and the admin endpoints are closed."""
+        if self.admin_token is None and not self.admin_open:
+            raise web.HTTPForbidden(
+                text="this edge listens beyond loopback: its admin endpoints need an admin "
+                "token (start it with --admin-token-file)\n"
+            )
         _require_bearer(request, self.admin_token)
 
     def check_read(self, request: web.Request) -> None:

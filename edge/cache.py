@@ -14,8 +14,14 @@ reached the disk, but the server re-verifies every entry at its first use
 after a start (:attr:`Entry.verified` lives in memory only), so such a file is
 dropped and refetched, never served; the fsyncs would only slow misses down.
 
+A miss is written to a :class:`Spool` in the same folder while it arrives,
+hashed on the way, and renamed into place once verified (:meth:`DiskCache.adopt`):
+an object is never held in memory, whatever its size. Spools in all hold at most
+``max_spool_bytes``, so a hostile origin's endless bodies fill neither memory nor
+the disk.
+
 A full disk stops caching, not serving: on ``ENOSPC`` the cache turns itself
-read-only for a while and the server streams misses straight through.
+read-only for a while, and a miss is served from its spool, removed after.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import count
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,12 @@ MAX_ENTRIES = 1_000_000
 
 
 TOUCH_EVERY_S = 10.0  # recency is written to disk at most this often per entry
+#: Bytes all spools (misses being fetched) may hold at once, at most: far above what
+#: the misses of real chunk objects (about a MiB each) hold, and no more than the
+#: cache itself may.
+MAX_SPOOL_BYTES = 2 << 30
+#: ... and may hold in memory while the disk is full (spools are files otherwise).
+MAX_MEMORY_SPOOL_BYTES = 256 << 20
 
 #: What identifies one state of a file's bytes: (inode, size, mtime, ctime) in
 #: ns. Any write to the file changes its ctime, which user space cannot set back.
@@ -65,10 +79,132 @@ class Entry:
     touched: float = 0.0
 
 
+class SpoolFull(Exception):
+    """A spool would pass its object's limit, or all spools theirs."""
+
+
+class Spool:
+    """One miss on its way to the cache: a temporary file in the cache folder, written
+    as the bytes arrive and hashed on the way. ``limit`` is the most bytes its kind of
+    object can have; the cache's spools share ``max_spool_bytes``.
+
+    While the disk is full a spool holds its bytes in memory instead, all such
+    spools sharing :data:`MAX_MEMORY_SPOOL_BYTES`: the edge keeps serving misses,
+    uncached, in bounded memory.
+
+    One writer at a time (the fetch that owns it) writes pieces; once finished,
+    :meth:`source` gives each reader a handle of its own (read it with explicit
+    offsets) or the bytes. The file leaves the folder by :meth:`DiskCache.adopt`
+    (renamed into the cache) or :meth:`discard`, and its bytes live on until the
+    last reader's handle is closed.
+    """
+
+    def __init__(self, cache: DiskCache, key: str, limit: int) -> None:
+        self.cache = cache
+        self.key = key
+        self.limit = limit
+        self.size = 0
+        self._sha256 = hashlib.sha256()
+        self._reserved = 0  # bytes counted against the cache's spool budget
+        self._reserved_memory = 0  # and against its memory budget
+        self._placed = False  # renamed into the cache or removed
+        # a store origin's thread may still be writing when its fetch is given up
+        self._lock = threading.Lock()
+        self._memory: bytearray | None = None
+        self._fd: int | None = None
+        digest = _digest(key)
+        self.path = cache.root / "objects" / digest[:2] / f".{digest}.spool.{next(_spools)}"
+        if cache.read_only:
+            self._memory = bytearray()
+            return
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            cache._write_failed(key, exc)
+            self._memory = bytearray()
+
+    @property
+    def sha256(self) -> str:
+        return self._sha256.hexdigest()
+
+    @property
+    def on_disk(self) -> bool:
+        return self._fd is not None
+
+    def write(self, piece: bytes) -> None:
+        """Append ``piece``; :class:`SpoolFull` past the object's or the cache's limit."""
+        with self._lock:
+            if self._placed:
+                raise SpoolFull(f"the fetch of {self.key} was given up")
+            if self.size + len(piece) > self.limit:
+                raise SpoolFull(f"more than the {self.limit} bytes {self.key} can have")
+            if self._fd is not None:
+                self.cache._reserve(self, len(piece), memory=False)
+                try:
+                    _write_all(self._fd, piece, self.size)
+                except OSError as exc:
+                    self.cache._write_failed(self.key, exc)
+                    self._to_memory()  # the disk filled up: go on in memory, or fail
+            if self._memory is not None:
+                self.cache._reserve(self, len(piece), memory=True)
+                self._memory += piece
+            self._sha256.update(piece)
+            self.size += len(piece)
+
+    def _to_memory(self) -> None:
+        assert self._fd is not None
+        held = os.pread(self._fd, self.size, 0)
+        self._drop_file()
+        self.cache._reserve(self, len(held), memory=True)
+        self._memory = bytearray(held)
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        if self._fd is not None:
+            return os.pread(self._fd, n, offset)
+        assert self._memory is not None
+        return bytes(self._memory[offset : offset + n])
+
+    def read_all(self) -> bytes:
+        """The whole spool: for small documents (pointers, manifests) only."""
+        return self.read_at(0, self.size)
+
+    def source(self) -> tuple[BinaryIO | None, bytes]:
+        """What a reader sends: a handle of its own on the spooled file (a duplicate
+        descriptor, to be read with explicit offsets), or the bytes held in memory."""
+        if self._fd is not None:
+            return os.fdopen(os.dup(self._fd), "rb"), b""
+        return None, bytes(self._memory or b"")
+
+    def discard(self) -> None:
+        """Remove the file unless the cache took it, and close this spool's own handle.
+        Its bytes stop counting against the budgets (readers' handles keep a removed
+        file's bytes until they are closed: a response's length at most)."""
+        with self._lock:
+            if not self._placed:
+                self._drop_file()
+                self._placed = True
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._memory = None
+            self.cache._release(self)
+
+    def _drop_file(self) -> None:
+        if self._fd is not None:
+            _unlink(self.path)
+            os.close(self._fd)
+            self._fd = None
+            self.cache._release(self, memory=False)
+
+
 class DiskCache:
     def __init__(self, root: str | Path, max_bytes: int) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.max_spool_bytes = min(max_bytes, MAX_SPOOL_BYTES)
+        self._spooled = 0  # bytes held by spools in the folder, not yet in the index
+        self._spooled_memory = 0  # and by spools held in memory while the disk is full
         self._index: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._lock = threading.Lock()
@@ -133,7 +269,7 @@ class DiskCache:
     def store(self, key: str, data: bytes, etag: str) -> bool:
         """Cache ``data`` (verified bytes) for ``key``; False when not cached (too big,
         disk full). Room is made first, so the folder never holds more than the limit."""
-        if len(data) > self.max_bytes or time.monotonic() < self._read_only_until:
+        if len(data) > self.max_bytes or self.read_only:
             self.skips += 1
             return False
         self.drop(key)
@@ -152,11 +288,7 @@ class DiskCache:
         except OSError as exc:
             _unlink(tmp)
             _unlink(data_path)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("edge cache disk is full: serving without caching for a while")
-                self._read_only_until = time.monotonic() + FULL_DISK_BACKOFF_S
-            else:
-                log.warning("cannot cache %s: %s", key, exc)
+            self._write_failed(key, exc)
             self.skips += 1
             return False
         with self._lock:
@@ -165,6 +297,89 @@ class DiskCache:
             self.writes += 1
         self._evict()  # another thread may have stored meanwhile
         return True
+
+    def spool(self, key: str, limit: int) -> Spool:
+        """A new spool for a miss of ``key`` of at most ``limit`` bytes."""
+        return Spool(self, key, limit)
+
+    def adopt(self, spool: Spool, etag: str) -> bool:
+        """Make ``spool``'s verified bytes the cached copy of its key, by a rename; False
+        when they are not cached (too big, disk full) and stay the spool's."""
+        key, size = spool.key, spool.size
+        if size > self.max_bytes or self.read_only or not spool.on_disk:
+            self.skips += 1
+            return False
+        self.drop(key)
+        self._evict(room_for=size, entries=1)
+        digest = _digest(key)
+        data_path = spool.path.with_name(digest)
+        meta_path = spool.path.with_name(f"{digest}.meta")
+        tmp = spool.path.with_name(f".{digest}.meta.{os.getpid()}.{threading.get_ident()}")
+        try:
+            os.replace(spool.path, data_path)
+            spool._placed = True
+            written = stamp_of(data_path.stat())
+            meta = json.dumps({"key": key, "size": size, "etag": etag}).encode()
+            _write_atomic(tmp, meta_path, meta)
+        except OSError as exc:
+            _unlink(tmp)
+            if spool._placed:
+                _unlink(data_path)
+            self._write_failed(key, exc)
+            self.skips += 1
+            return False
+        with self._lock:
+            self._index[key] = Entry(key, size, etag, data_path, verified=written)
+            self._bytes += size
+            self.writes += 1
+        self._release(spool, memory=False)  # its bytes count as the cache's now
+        self._evict()  # another thread may have stored meanwhile
+        return True
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the disk was found full lately: nothing is written for a while."""
+        return time.monotonic() < self._read_only_until
+
+    def _write_failed(self, key: str, exc: OSError) -> None:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if not self.read_only:
+                log.warning("edge cache disk is full: serving without caching for a while")
+            self._read_only_until = time.monotonic() + FULL_DISK_BACKOFF_S
+        else:
+            log.warning("cannot cache %s: %s", key, exc)
+
+    def _reserve(self, spool: Spool, n: int, *, memory: bool) -> None:
+        """Count ``n`` more bytes of ``spool`` against the spool budget on disk, or the
+        memory budget; :class:`SpoolFull` when they do not fit."""
+        limit = MAX_MEMORY_SPOOL_BYTES if memory else self.max_spool_bytes
+        with self._lock:
+            held = self._spooled_memory if memory else self._spooled
+            if held + n > limit:
+                where = "memory" if memory else "the cache folder"
+                raise SpoolFull(f"misses being fetched already hold {held} bytes in {where}")
+            if memory:
+                self._spooled_memory += n
+                spool._reserved_memory += n
+            else:
+                self._spooled += n
+                spool._reserved += n
+
+    def _release(self, spool: Spool, *, memory: bool | None = None) -> None:
+        """Stop counting ``spool``'s bytes on disk (``memory=False``), in memory
+        (``True``) or both (None); each once."""
+        with self._lock:
+            if memory is not True:
+                self._spooled -= spool._reserved
+                spool._reserved = 0
+            if memory is not False:
+                self._spooled_memory -= spool._reserved_memory
+                spool._reserved_memory = 0
+
+    @property
+    def spooled_bytes(self) -> int:
+        """Bytes of misses being fetched, on disk and in memory."""
+        return self._spooled + self._spooled_memory
 
     def drop(self, key: str) -> None:
         with self._lock:
@@ -191,8 +406,18 @@ class DiskCache:
             log.debug("evicted %s (%d bytes)", key, entry.size)
 
 
+_spools = count()  # numbers each spool of this process
+
+
 def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _write_atomic(tmp: Path, final: Path, data: bytes) -> None:

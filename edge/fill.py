@@ -3,10 +3,12 @@
 A miss is read through from the origins in order (parent edges first, the
 object store last). Concurrent misses for one key share a single fetch, which
 runs as a task of its own so that a client going away does not cancel it for
-the others. Fetched bytes are verified (:mod:`.verify`) before anyone sees
-them, answered from memory at once, and written to the disk cache after.
+the others. A fetch streams into a spool in the cache folder, hashed as it
+arrives (:class:`~.cache.Spool`), so the edge holds a piece of each miss in
+memory, never an object; the spooled bytes are verified (:mod:`.verify`)
+before anyone sees them, renamed into the cache, and sent from the file.
 Cached bytes are verified again on their first use from disk after a start,
-or after their file changed.
+or after their file changed, a piece at a time.
 
 Pointers (and manifests the edge cannot verify) are revalidated: held in
 memory for a few seconds, then fetched again; while the origin is down the
@@ -27,10 +29,20 @@ from typing import BinaryIO, Generic, TypeVar
 from kvcdn.keys import KeyInfo
 from kvcdn.signing import TrustPolicy
 
-from .cache import DiskCache, Entry, stamp_of
+from .cache import DiskCache, Entry, Spool, stamp_of
 from .metrics import Metrics
 from .origin import Origin, OriginFailed, OriginMissing
-from .verify import Verified, VerifyError, check_key, max_bytes, revalidated, verify
+from .verify import (
+    CONTENT_ADDRESSED,
+    Verified,
+    VerifyError,
+    check_key,
+    max_bytes,
+    revalidated,
+    verify,
+    verify_content,
+    verify_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +66,15 @@ MAX_POINTERS_BYTES = 256 << 20
 # larger listing is answered but not kept.
 MAX_LISTINGS = 1024
 MAX_LISTED_KEYS = 1_000_000
-# Keys being fetched, or fetched and waiting for their disk write, at once. Each
-# holds a task and, once fetched, its bytes: beyond this a new miss is answered
-# 503 rather than queued without end. Far above what the store's 64 fetch threads
-# or a parent's 2 GiB in flight can move at once, so only a flood reaches it.
+# Keys being fetched at once. Each holds a task and a spool (a file, whose bytes
+# all spools share a budget of): beyond this a new miss is answered 503 rather than
+# queued without end. Far above what the store's 64 fetch threads can move at
+# once, so only a flood reaches it.
 MAX_FILLS = 4096
+# Documents (manifests, pointers) read into memory at once to be verified: each is
+# at most 64 MiB (a real one a few MiB at most), so a flood of fetched manifests
+# holds at most this many of them.
+PARSES_AT_ONCE = 4
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -101,6 +117,43 @@ class Found:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+class Filled:
+    """A fetched, verified object, shared by the requests that waited for its fetch:
+    its spool (on disk, or in memory while the disk is full), or a document's bytes."""
+
+    def __init__(self, verified: Verified, size: int, *, spool: Spool | None = None,
+                 data: bytes = b"") -> None:  # fmt: skip
+        self.verified = verified
+        self.size = size
+        self.spool = spool
+        self.data = data
+
+    def found(self) -> Found:
+        """What one waiter sends, with its own handle on a spooled file."""
+        if self.spool is None:
+            return Found(self.verified.etag, self.size, data=self.data)
+        file, data = self.spool.source()
+        return Found(self.verified.etag, self.size, data=data, file=file)
+
+    def close(self) -> None:
+        if self.spool is not None:
+            self.spool.discard()
+
+
+class _Fill:
+    """One fetch under way for a key, and how many requests are waiting for it: the
+    last to take its result closes it (waiters take their own handles first)."""
+
+    def __init__(self, task: asyncio.Task[Filled]) -> None:
+        self.task = task
+        self.waiters = 0
+
+    def close_if_unused(self) -> None:
+        task = self.task
+        if self.waiters == 0 and task.done() and not task.cancelled() and not task.exception():
+            task.result().close()
 
 
 class BoundedLRU(Generic[K, V]):
@@ -163,9 +216,9 @@ class Filler:
         self.metrics = metrics
         self.trust = trust
         self.max_stale_s = max_stale_s
-        # at most MAX_FILLS; _keeping's keys are always in _inflight too
-        self._inflight: dict[str, asyncio.Task[tuple[bytes, Verified]]] = {}
-        self._keeping: dict[str, asyncio.Task[None]] = {}  # disk writes after a fill
+        self._inflight: dict[str, _Fill] = {}  # at most MAX_FILLS
+        self._keeping: dict[str, asyncio.Task[None]] = {}  # disk writes of pointers
+        self._parses = asyncio.Semaphore(PARSES_AT_ONCE)
         # pointers (and unsigned manifests): when fetched (monotonic), bytes, what they are
         self.pointers: BoundedLRU[str, tuple[float, bytes, Verified]] = BoundedLRU(
             MAX_POINTERS, MAX_POINTERS_BYTES, lambda held: len(held[1])
@@ -192,8 +245,7 @@ class Filler:
             if found is not None:
                 self.metrics.hits += 1
                 return found
-        data, verified = await self._miss(key, info)
-        return Found(verified.etag, len(data), data=data)
+        return await self._miss(key, info)
 
     async def ensure(self, key: str) -> tuple[str, int]:
         """Make ``key`` cached: ("cached", 0) if it was, else ("fetched", its size)."""
@@ -202,13 +254,14 @@ class Filler:
         if not revalidated(info, self.trust) and self.cache.lookup(key) is not None:
             return "cached", 0
         try:
-            data, _ = await self._miss(key, info)
+            found = await self._miss(key, info)
         except FetchError as exc:
             raise RuntimeError(f"{exc} ({exc.status})") from None
+        found.release()
         keeping = self._keeping.get(key)
         if keeping is not None:  # "done" means on disk, not only fetched
             await asyncio.shield(keeping)
-        return "fetched", len(data)
+        return "fetched", found.size
 
     async def listing(self, prefix: str) -> dict[str, int]:
         """Servable store keys under ``prefix`` with their sizes, from the first origin
@@ -239,7 +292,7 @@ class Filler:
             self.metrics.hits += 1
             return Found(held[2].etag, len(held[1]), data=held[1])
         try:
-            data, verified = await self._miss(key, info)
+            return await self._miss(key, info)
         except FetchError as exc:
             if exc.status == 404:
                 raise
@@ -249,7 +302,6 @@ class Filler:
             self.metrics.stale_served += 1
             log.warning("origin unavailable: serving %s stale (%.0f s old)", key, stale.age_s)
             return stale
-        return Found(verified.etag, len(data), data=data)
 
     async def _stale_copy(self, key: str, info: KeyInfo) -> Found | None:
         """The last good copy of a revalidated key, if not older than ``max_stale_s``."""
@@ -270,8 +322,8 @@ class Filler:
             return None
         try:
             age = time.time() - entry.path.stat().st_mtime
-            data = await asyncio.to_thread(entry.path.read_bytes)
-            verified = await asyncio.to_thread(verify, key, info, data, self.trust)
+            verified, data = await asyncio.to_thread(_verify_path, entry.path, key, info,
+                                                     self.trust)  # fmt: skip
         except (OSError, VerifyError) as exc:
             log.warning("dropping the kept copy of %s: %s", key, exc)
             self.cache.drop(key)
@@ -280,8 +332,8 @@ class Filler:
 
     async def _open_cached(self, entry: Entry, info: KeyInfo) -> Found | None:
         """The cached bytes of ``entry``: sent from the file (sendfile) while the file
-        is as it was when last verified; read and verified again otherwise (the
-        first use after a start, or a file someone changed)."""
+        is as it was when last verified; verified again first otherwise (the first use
+        after a start, or a file someone changed), a piece at a time."""
         try:
             f = open(entry.path, "rb")  # noqa: SIM115 (handed to the response, which closes it)
         except OSError as exc:
@@ -290,58 +342,66 @@ class Filler:
             return None
         try:
             stamp = stamp_of(os.fstat(f.fileno()))
-            if stamp == entry.verified:
-                return Found(entry.etag, stamp[1], file=f)
-            data, verified = await asyncio.to_thread(_read_verified, f, entry.key, info, self.trust)
-            after = stamp_of(os.fstat(f.fileno()))
+            if stamp != entry.verified:
+                verified, _ = await asyncio.to_thread(verify_file, entry.key, info, f, self.trust)
+                entry.etag = verified.etag  # the same, unless an older edge filled the entry
+                if stamp_of(os.fstat(f.fileno())) == stamp:
+                    entry.verified = stamp
         except (OSError, VerifyError) as exc:
             f.close()
             self.metrics.verify_failures += isinstance(exc, VerifyError)
             log.warning("cached copy of %s is damaged, refetching: %s", entry.key, exc)
             self.cache.drop(entry.key)
             return None
-        f.close()
-        entry.etag = verified.etag  # the same, unless the entry was filled by an older edge
-        if after == stamp:
-            entry.verified = stamp
-        return Found(verified.etag, len(data), data=data)
+        return Found(entry.etag, stamp[1], file=f)
 
-    async def _miss(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
+    async def _miss(self, key: str, info: KeyInfo) -> Found:
         """Fetch ``key`` once for everyone who asks while the fetch runs."""
-        task = self._inflight.get(key)
-        if task is None:
+        fill = self._inflight.get(key)
+        if fill is None:
             if len(self._inflight) >= MAX_FILLS:
                 log.debug("refusing a miss for %s: %d fills under way", key, MAX_FILLS)
                 raise FetchError(503, f"the edge is fetching {MAX_FILLS} keys: try {key} later")
             self.metrics.misses += 1
             # The fetch is a task of its own: a client that goes away does not
             # cancel the fetch that other clients are waiting for.
-            task = asyncio.get_running_loop().create_task(self._fill(key, info))
-            task.add_done_callback(_retrieve)
-            self._inflight[key] = task
-        elif task.done():  # fetched, its disk write still running: served from memory
-            self.metrics.hits += 1
+            fill = _Fill(asyncio.get_running_loop().create_task(self._fill(key, info)))
+            fill.task.add_done_callback(lambda task, f=fill: self._fill_done(key, f))
+            self._inflight[key] = fill
         else:
             self.metrics.coalesced += 1
-        return await asyncio.shield(task)
-
-    async def _fill(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
+        fill.waiters += 1
         try:
-            data, verified = await self._fetch(key, info)
-        except BaseException:
+            filled = await asyncio.shield(fill.task)
+            return filled.found()  # its own handle, taken before the fill can be closed
+        finally:
+            fill.waiters -= 1
+            fill.close_if_unused()
+
+    def _fill_done(self, key: str, fill: _Fill) -> None:
+        if self._inflight.get(key) is fill:
             del self._inflight[key]
-            raise
-        if revalidated(info, self.trust):
-            data, verified, changed = await self._newer_of(key, info, data, verified)
-            self.pointers.put(key, (time.monotonic(), data, verified))
-            if not changed:
-                del self._inflight[key]
-                return data, verified
-        # Clients are answered now; the disk write follows. Until it is done,
-        # the finished task stays in _inflight and serves later requests.
-        keeping = asyncio.get_running_loop().create_task(self._keep(key, data, verified.etag))
-        self._keeping[key] = keeping
-        return data, verified
+        if not fill.task.cancelled():
+            fill.task.exception()  # seen: its waiters re-raise it, or nobody waits
+        fill.close_if_unused()
+
+    async def _fill(self, key: str, info: KeyInfo) -> Filled:
+        spool, verified, data = await self._fetch(key, info)
+        if not revalidated(info, self.trust):
+            # immutable: the verified spool becomes the cached copy (unless it cannot
+            # be cached), and waiters send it from the file
+            await asyncio.to_thread(self.cache.adopt, spool, verified.etag)
+            return Filled(verified, spool.size, spool=spool)
+        spool.discard()
+        assert data is not None  # documents are verified from their bytes
+        data, verified, changed = await self._newer_of(key, info, data, verified)
+        self.pointers.put(key, (time.monotonic(), data, verified))
+        if changed:  # kept on disk for stale-if-error and restarts: written after
+            keeping = asyncio.get_running_loop().create_task(
+                self._keep(key, data, verified.etag)
+            )
+            self._keeping[key] = keeping
+        return Filled(verified, len(data), data=data)
 
     async def _newer_of(
         self, key: str, info: KeyInfo, data: bytes, verified: Verified
@@ -361,50 +421,72 @@ class Filler:
             return held_data, held_verified, False
         return data, verified, verified.etag != held_verified.etag
 
+    async def _verify(self, key: str, info: KeyInfo, spool: Spool
+                      ) -> tuple[Verified, bytes | None]:  # fmt: skip
+        """What a fetched spool holds: a content-addressed object by its hash (only its
+        header is read back), a document from its bytes (a few at a time)."""
+        if info.kind in CONTENT_ADDRESSED:
+            verified = await asyncio.to_thread(
+                verify_content, key, info, size=spool.size, sha256=spool.sha256,
+                read_at=spool.read_at,
+            )  # fmt: skip
+            return verified, None
+        async with self._parses:
+            data = await asyncio.to_thread(spool.read_all)
+            return await asyncio.to_thread(verify, key, info, data, self.trust), data
+
     async def _keep(self, key: str, data: bytes, tag: str) -> None:
         try:
             await asyncio.to_thread(self.cache.store, key, data, tag)
         finally:
-            self._inflight.pop(key, None)
             self._keeping.pop(key, None)
 
-    async def _fetch(self, key: str, info: KeyInfo) -> tuple[bytes, Verified]:
+    async def _fetch(self, key: str, info: KeyInfo) -> tuple[Spool, Verified, bytes | None]:
+        """The first origin's verified spool of ``key``, what it is, and a document's
+        bytes (None for a content-addressed object, which is never read whole)."""
         last: Exception | None = None
         for origin in self.origins:
             start = time.perf_counter()
+            spool = self.cache.spool(key, max_bytes(info))
             try:
-                data = await origin.fetch(key, max_bytes(info))
+                await origin.fetch(key, spool)
             except OriginMissing:
+                spool.discard()
                 raise FetchError(404, f"{key} does not exist at the origin") from None
             except OriginFailed as exc:
+                spool.discard()
                 self.metrics.origin_errors += 1
                 last = exc
                 continue
+            except BaseException:  # cancelled (shutdown), or a bug: nothing is left behind
+                spool.discard()
+                raise
             finally:
                 self.metrics.origin_fetches += 1
                 self.metrics.origin_seconds += time.perf_counter() - start
             try:
-                verified = await asyncio.to_thread(verify, key, info, data, self.trust)
+                verified, data = await self._verify(key, info, spool)
             except VerifyError as exc:
+                spool.discard()
                 self.metrics.verify_failures += 1
                 log.error("origin %s sent bad bytes for %s: %s", origin.url, key, exc)
                 last = OriginFailed(f"{origin.url} sent bytes that fail verification: {exc}")
                 continue
-            return data, verified
+            except BaseException:
+                spool.discard()
+                raise
+            return spool, verified, data
         assert last is not None
         if isinstance(last, OriginFailed) and last.timeout:
             raise FetchError(504, f"origin unavailable (timed out) fetching {key}: {last}")
         raise FetchError(502, f"origin unavailable: cannot fetch {key}: {last}")
 
 
-def _read_verified(
-    f: BinaryIO, key: str, info: KeyInfo, trust: TrustPolicy | None
-) -> tuple[bytes, Verified]:
-    data = f.read()
-    return data, verify(key, info, data, trust)
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    """Mark a fill's failure as seen: its waiters re-raise it, or nobody waits."""
-    if not task.cancelled():
-        task.exception()
+def _verify_path(
+    path: os.PathLike[str], key: str, info: KeyInfo, trust: TrustPolicy | None
+) -> tuple[Verified, bytes]:
+    """A kept document's verified bytes (pointers and manifests only: small)."""
+    with open(path, "rb") as f:
+        verified, data = verify_file(key, info, f, trust)
+    assert data is not None
+    return verified, data

@@ -11,13 +11,15 @@ from urllib.parse import quote
 import aiohttp
 
 from kvcdn.errors import NotFound
-from kvcdn.store import check_endpoint_url, open_store
+from kvcdn.store import Cancel, check_endpoint_url, open_store
+
+from .cache import Spool, SpoolFull
 
 FETCH_THREADS = 64
-MAX_LISTING_BYTES = 16 << 20  # one page of a parent's listing
-#: Bytes all fetches from an HTTP origin may hold in memory at once: a hostile
-#: parent cannot make the edge hold more by opening many misses.
-MAX_INFLIGHT_BYTES = 2 << 30
+MAX_LISTING_BYTES = 16 << 20  # one page of a parent's listing, held in memory to parse
+#: Listings read from an HTTP origin at once: each holds up to MAX_LISTING_BYTES.
+LISTINGS_AT_ONCE = 4
+PIECE = 1 << 20  # bytes of a body read (and written to its spool) at a time
 
 
 class OriginMissing(Exception):
@@ -35,8 +37,10 @@ class OriginFailed(Exception):
 class Origin(Protocol):
     url: str
 
-    async def fetch(self, key: str, max_bytes: int) -> bytes:
-        """The bytes of ``key``; :class:`OriginFailed` if there are more than ``max_bytes``."""
+    async def fetch(self, key: str, spool: Spool) -> None:
+        """Write the bytes of ``key`` into ``spool`` as they arrive; :class:`OriginMissing`
+        when the origin does not have it, :class:`OriginFailed` when it fails or sends
+        more than the spool takes."""
         ...
 
     async def list(self, prefix: str) -> dict[str, int]:
@@ -58,19 +62,24 @@ class StoreOrigin:
         # (the default executor has only a few threads, shared with hashing).
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="origin")
 
-    async def fetch(self, key: str, max_bytes: int) -> bytes:
+    async def fetch(self, key: str, spool: Spool) -> None:
         loop = asyncio.get_running_loop()
+        cancel = Cancel()  # the thread stops between two pieces once the fetch is given up
+
+        def copy() -> None:
+            for piece in self._store.pieces(key, max_bytes=spool.limit, cancel=cancel):
+                spool.write(piece)
+
         try:
-            return await asyncio.wait_for(
-                loop.run_in_executor(self._pool, lambda: self._store.get(key, max_bytes=max_bytes)),
-                self.timeout_s,
-            )
+            await asyncio.wait_for(loop.run_in_executor(self._pool, copy), self.timeout_s)
         except NotFound:
             raise OriginMissing(key) from None
         except asyncio.TimeoutError:
             raise OriginFailed(f"origin {self.url} timed out on {key}", timeout=True) from None
         except Exception as exc:  # the store raises typed errors; anything else is a failure too
             raise OriginFailed(f"origin {self.url} failed on {key}: {exc}") from None
+        finally:
+            cancel.set()
 
     async def list(self, prefix: str) -> dict[str, int]:
         folder = prefix[: prefix.rfind("/") + 1]  # the store lists folder-like prefixes
@@ -105,7 +114,7 @@ class HTTPOrigin:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._session: aiohttp.ClientSession | None = None
-        self._inflight = 0  # bytes held by fetches under way
+        self._listings = asyncio.Semaphore(LISTINGS_AT_ONCE)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -116,42 +125,42 @@ class HTTPOrigin:
             )
         return self._session
 
-    async def fetch(self, key: str, max_bytes: int) -> bytes:
+    async def fetch(self, key: str, spool: Spool) -> None:
+        loop = asyncio.get_running_loop()
         try:
             async with self._client().get(f"{self.url}/{quote(key)}") as resp:
                 if resp.status == 404:
                     raise OriginMissing(key)
                 if resp.status != 200:
                     raise OriginFailed(f"origin {self.url} answered {resp.status} for {key}")
-                return await self._body(resp, max_bytes, key)
+                self._check_length(resp, spool.limit, key)
+                # written (and hashed) off the event loop, one piece at a time: the
+                # edge holds a piece per miss, never an object
+                async for piece in resp.content.iter_chunked(PIECE):
+                    await loop.run_in_executor(None, spool.write, piece)
         except asyncio.TimeoutError:
             raise OriginFailed(f"origin {self.url} timed out on {key}", timeout=True) from None
         except aiohttp.ClientError as exc:
             raise OriginFailed(f"origin {self.url} failed on {key}: {exc}") from None
+        except SpoolFull as exc:
+            raise OriginFailed(f"origin {self.url} sent {key}: {exc}") from None
 
-    async def _body(self, resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
-        """A response body, refused past ``max_bytes``: a parent may not exhaust memory."""
+    def _check_length(self, resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> None:
         if (resp.content_length or 0) > max_bytes:
             raise OriginFailed(
                 f"origin {self.url} announced {resp.content_length} bytes for {what}, more "
                 "than it can be"
             )
+
+    async def _body(self, resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
+        """A small response body (a listing), refused past ``max_bytes``."""
+        self._check_length(resp, max_bytes, what)
         pieces, size = [], 0
-        try:
-            async for piece in resp.content.iter_chunked(1 << 20):
-                size += len(piece)
-                self._inflight += len(piece)
-                if size > max_bytes:
-                    raise OriginFailed(
-                        f"origin {self.url} sent more than {max_bytes} bytes for {what}"
-                    )
-                if self._inflight > MAX_INFLIGHT_BYTES:
-                    raise OriginFailed(
-                        f"fetches from {self.url} already hold {MAX_INFLIGHT_BYTES} bytes"
-                    )
-                pieces.append(piece)
-        finally:
-            self._inflight -= size
+        async for piece in resp.content.iter_chunked(PIECE):
+            size += len(piece)
+            if size > max_bytes:
+                raise OriginFailed(f"origin {self.url} sent more than {max_bytes} bytes for {what}")
+            pieces.append(piece)
         return b"".join(pieces)
 
     async def list(self, prefix: str) -> dict[str, int]:
@@ -160,7 +169,8 @@ class HTTPOrigin:
         query = {"list-type": "2", "prefix": prefix}
         try:
             while True:
-                async with self._client().get(f"{self.url}/", params=query) as resp:
+                async with self._listings, self._client().get(f"{self.url}/", params=query
+                                                              ) as resp:  # fmt: skip
                     if resp.status != 200:
                         raise OriginFailed(f"origin {self.url} answered {resp.status} to a listing")
                     root = ET.fromstring(await self._body(resp, MAX_LISTING_BYTES, "a listing"))

@@ -6,6 +6,7 @@ the body: from memory, from the file with sendfile(2), or through the shaped lin
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from typing import BinaryIO
 
@@ -80,7 +81,10 @@ def answer(
 
 
 class FileBody(web.StreamResponse):
-    """A byte range of an open file, sent with sendfile(2): no copies through Python."""
+    """A byte range of an open file, sent with sendfile(2): no copies through Python.
+
+    The file is read at explicit offsets only (sendfile's own, or pread): a handle
+    on a spooled miss shares its offset with the other requests' handles."""
 
     def __init__(
         self,
@@ -106,11 +110,13 @@ class FileBody(web.StreamResponse):
                     raise ConnectionResetError("the client went away")
                 try:
                     await asyncio.get_running_loop().sendfile(
-                        transport, self._file, self._offset, self._count
+                        transport, self._file, self._offset, self._count, fallback=False
                     )
-                except NotImplementedError:  # no sendfile for this transport (TLS, ...)
-                    self._file.seek(self._offset)
-                    await writer.write(self._file.read(self._count))
+                except (NotImplementedError, asyncio.SendfileNotAvailableError):
+                    # no sendfile for this transport (TLS, ...)
+                    fd, end = self._file.fileno(), self._offset + self._count
+                    for at in range(self._offset, end, PIECE):
+                        await writer.write(os.pread(fd, min(PIECE, end - at), at))
             await super().write_eof()
             return writer
         finally:
@@ -142,13 +148,14 @@ class ShapedBody(web.StreamResponse):
         try:
             writer = await super().prepare(request)
             assert writer is not None
-            if self._file is not None:
-                self._file.seek(self._offset)
             view = memoryview(self._data)
             for at in range(self._offset, self._offset + self._count, PIECE):
                 n = min(PIECE, self._offset + self._count - at)
                 await self._shaper.send(n)
-                piece = self._file.read(n) if self._file is not None else view[at : at + n]
+                if self._file is not None:
+                    piece = os.pread(self._file.fileno(), n, at)  # explicit offsets (FileBody)
+                else:
+                    piece = view[at : at + n]
                 await writer.write(piece)
             await super().write_eof()
             return writer

@@ -14,15 +14,20 @@ This module routes requests to those parts and runs the app.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import resource
+import signal
+import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvcdn.errors import InputError
 from kvcdn.keys import KeyInfo
 from kvcdn.signing import TrustPolicy
 
-from .admin import Admin
+from .admin import MAX_BODY, Admin
 from .auth import Access
 from .cache import DiskCache
 from .fill import MAX_STALE_S, FetchError, Filler
@@ -43,9 +48,14 @@ from .verify import cache_control, check_key
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 16 << 20  # only POST /warm has a body: one of admin.MAX_WARM_KEYS keys fits
 MAX_LINE = 8190
 MAX_FIELD = 8190
+MAX_HEADERS = 100  # in one request: ranges, auth, S3's signature headers fit easily
+#: A connection that has sent no whole request for this long (since it opened, or
+#: since its last response) is closed: slow or silent clients hold no descriptor.
+IDLE_TIMEOUT_S = 15.0
+#: Malformed requests logged per minute, one short line each; the rest are counted.
+BAD_REQUEST_LINES = 20
 
 
 class Edge:
@@ -53,7 +63,8 @@ class Edge:
 
     ``trust`` (publisher keys) lets the edge verify signed manifests and keep
     them for good, and refuse unsigned ones; ``s3_keys`` makes S3 clients
-    authenticate with AWS Signature V4.
+    authenticate with AWS Signature V4. ``admin_open=False`` refuses the admin
+    endpoints when no token protects them (an edge listening beyond loopback).
     """
 
     def __init__(
@@ -69,11 +80,12 @@ class Edge:
         trust: TrustPolicy | None = None,
         s3_keys: S3Keys | None = None,
         max_stale_s: float = MAX_STALE_S,
+        admin_open: bool = True,
     ) -> None:
         self.cache = cache
         self.origins = origins
         self.trust = trust
-        self.access = Access(read_token, admin_token, s3_keys)
+        self.access = Access(read_token, admin_token, s3_keys, admin_open=admin_open)
         self.view = view or BucketView("kvcdn")
         self.shaper = shaper  # sends bodies no faster than a rate or a trace
         self.metrics = Metrics()
@@ -208,18 +220,153 @@ class Edge:
             found.release()  # FileBody takes its own handle; anything unsent is closed here
 
 
-def run(edge: Edge, host: str, port: int) -> None:
-    """Serve until interrupted; :class:`InputError` when the address cannot be listened on."""
+def run(
+    edge: Edge,
+    host: str,
+    port: int,
+    *,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
+    max_connections: int | None = None,
+) -> None:
+    """Serve until SIGINT or SIGTERM; :class:`InputError` when the address cannot be
+    listened on.
+
+    Connections are bounded so that no client exhausts the process's file
+    descriptors: one that has sent no whole request ``idle_timeout_s`` after it
+    opened or after its last response is closed, and beyond ``max_connections``
+    open ones (default: :func:`connection_limit`) a new one is answered 503. A
+    malformed request costs one short log line, at most :data:`BAD_REQUEST_LINES`
+    of them a minute."""
+    logging.getLogger("aiohttp.server").addFilter(_BadRequestLines())
+    limit = max_connections or connection_limit()
     try:
-        web.run_app(
-            edge.app(),
-            host=host,
-            port=port,
-            access_log=None,
-            print=None,
-            max_line_size=MAX_LINE,  # passed on to each connection's request parser
-            max_field_size=MAX_FIELD,
-        )
+        asyncio.run(_serve(edge, host, port, idle_timeout_s, limit))
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise InputError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
+async def _serve(edge: Edge, host: str, port: int, idle_timeout_s: float, limit: int
+                 ) -> None:  # fmt: skip
+    runner = web.AppRunner(
+        edge.app(),
+        handle_signals=False,
+        access_log=None,
+        # closes a connection that has sent no whole request this long after it
+        # opened or after its last response: a header and an idle timeout
+        keepalive_timeout=idle_timeout_s,
+        max_line_size=MAX_LINE,  # passed on to each connection's request parser
+        max_field_size=MAX_FIELD,
+        max_headers=MAX_HEADERS,
+    )
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await _LimitedSite(runner, host, port, limit).start()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def connection_limit() -> int:
+    """Connections served at once: what the descriptor limit leaves room for, as each
+    may also hold an open file while it sends one, and origin fetches need some."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, (soft - 256) // 2)
+
+
+class _LimitedSite(web.TCPSite):
+    """aiohttp's TCP site, each new connection beyond ``limit`` open ones answered
+    ``503`` and closed at once (nginx's ``worker_connections``)."""
+
+    __slots__ = ("_limit",)
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, limit: int) -> None:
+        super().__init__(runner, host, port, backlog=1024)
+        self._limit = limit
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert isinstance(server, web.Server)
+        limit = self._limit
+        refusals = _RateLimited(BAD_REQUEST_LINES)
+
+        def connection() -> asyncio.BaseProtocol:
+            if len(server.connections) < limit:
+                return server()
+            if refusals.allow():
+                log.warning("%d connections are open (the most this edge serves): "
+                            "refusing more%s", limit, refusals.suppressed_note())  # fmt: skip
+            return _Refused()
+
+        self._server = await asyncio.get_running_loop().create_server(
+            connection, self._host, self._port, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+        )  # fmt: skip
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the limit: told so, then closed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\n"
+            b"Content-Length: 0\r\n\r\n"
+        )
+        transport.close()
+
+
+class _RateLimited:
+    """At most ``per_minute`` events a minute pass; the others are counted, and the
+    next to pass says how many were not shown."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._window = 0.0
+        self._shown = 0
+        self._suppressed = 0
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        if now - self._window >= 60.0:
+            self._window, self._shown = now, 0
+        if self._shown >= self.per_minute:
+            self._suppressed += 1
+            return False
+        self._shown += 1
+        return True
+
+    def suppressed_note(self) -> str:
+        n, self._suppressed = self._suppressed, 0
+        return f" ({n} more not logged in the last minute)" if n else ""
+
+
+class _BadRequestLines(logging.Filter):
+    """aiohttp logs every request it cannot parse, and every client that hangs up,
+    with a traceback: any client could flood the log. Each becomes one short line,
+    at most :data:`BAD_REQUEST_LINES` a minute. Other errors (the edge's own
+    bugs) keep their traceback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._limit = _RateLimited(BAD_REQUEST_LINES)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, (HttpProcessingError, ConnectionError)):
+            return True
+        if not self._limit.allow():
+            return False
+        reason = str(exc).splitlines()[0][:160] if str(exc) else ""
+        record.msg = "bad request: %s: %s%s"
+        record.args = (type(exc).__name__, reason, self._limit.suppressed_note())
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        return True

@@ -22,9 +22,12 @@ poisoned origin nor a flipped bit on the edge's own disk is passed on:
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import BinaryIO
 
-from kvcdn.container import unpack
+from kvcdn.container import read_header
 from kvcdn.errors import KvcdnError
 from kvcdn.keys import KeyInfo, parse_key
 from kvcdn.manifest import (
@@ -80,23 +83,67 @@ def cache_control(info: KeyInfo, trust: TrustPolicy | None) -> str:
     return REVALIDATE if revalidated(info, trust) else IMMUTABLE
 
 
+#: Kinds whose bytes are checked by the sha256 in their key: never read into memory.
+CONTENT_ADDRESSED = ("object", "profile")
+_HASH_PIECE = 1 << 20
+
+
+def verify_content(
+    key: str, info: KeyInfo, *, size: int, sha256: str, read_at: Callable[[int, int], bytes]
+) -> Verified:
+    """What a chunk object or profile of ``size`` bytes whose sha256 is ``sha256`` is, its
+    bytes readable by ``read_at(offset, n)``; :class:`VerifyError` unless it is what
+    ``key`` promises. Only a chunk object's header is read."""
+    if size > max_bytes(info):
+        raise VerifyError(f"{key} is {size} bytes, more than such an object can be")
+    if sha256 != info.sha256:
+        raise VerifyError(f"{key} does not match the sha256 in its key")
+    if info.kind == "object":
+        # the whole object's sha256 is stronger than the container's own trailer
+        try:
+            header = read_header(read_at, size, name=key)
+        except KvcdnError as exc:
+            raise VerifyError(str(exc)) from None
+        if header.chunk_hash != info.chunk_hash:
+            raise VerifyError(f"{key} holds chunk {header.chunk_hash[:12]}, not its key's")
+        if not info.level_id.startswith(f"{header.level}-"):
+            raise VerifyError(f"{key} holds level {header.level!r}, not its key's")
+    return Verified(_etag(sha256), immutable=True)
+
+
+def verify_file(
+    key: str, info: KeyInfo, f: BinaryIO, trust: TrustPolicy | None
+) -> tuple[Verified, bytes | None]:
+    """What the open file ``f`` holds, read with explicit offsets (``f`` may share its
+    offset with other readers): a content-addressed object is hashed a piece at a
+    time and never held; other kinds (documents of at most a few MiB) are returned
+    as bytes too."""
+    fd = f.fileno()
+    size = os.fstat(fd).st_size
+    if size > max_bytes(info):
+        raise VerifyError(f"{key} is {size} bytes, more than such an object can be")
+    if info.kind not in CONTENT_ADDRESSED:
+        data = os.pread(fd, size, 0)
+        return verify(key, info, data, trust), data
+    digest = hashlib.sha256()
+    for at in range(0, size, _HASH_PIECE):
+        digest.update(os.pread(fd, min(_HASH_PIECE, size - at), at))
+    return verify_content(
+        key, info, size=size, sha256=digest.hexdigest(), read_at=lambda at, n: os.pread(fd, n, at)
+    ), None
+
+
 def verify(key: str, info: KeyInfo, data: bytes, trust: TrustPolicy | None) -> Verified:
     """What ``data`` is; :class:`VerifyError` unless it is what ``key`` promises."""
     if len(data) > max_bytes(info):
         raise VerifyError(f"{key} is {len(data)} bytes, more than such an object can be")
+    if info.kind in CONTENT_ADDRESSED:
+        view = memoryview(data)
+        return verify_content(
+            key, info, size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+            read_at=lambda at, n: bytes(view[at : at + n]),
+        )  # fmt: skip
     try:
-        if info.kind in ("object", "profile"):
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != info.sha256:
-                raise VerifyError(f"{key} does not match the sha256 in its key")
-            if info.kind == "object":
-                # the whole object's sha256 is stronger than the container's own trailer
-                header, _ = unpack(data, name=key, verify_digest=False)
-                if header.chunk_hash != info.chunk_hash:
-                    raise VerifyError(f"{key} holds chunk {header.chunk_hash[:12]}, not its key's")
-                if not info.level_id.startswith(f"{header.level}-"):
-                    raise VerifyError(f"{key} holds level {header.level!r}, not its key's")
-            return Verified(_etag(digest), immutable=True)
         digest = hashlib.sha256(data).hexdigest()
         if info.kind == "manifest":
             manifest = open_manifest(data, name=key, trust=trust)

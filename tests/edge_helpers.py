@@ -139,6 +139,36 @@ class EdgeProcess:
         }
 
 
+class Hostile:
+    """``tests/hostile_edge.py`` in its own process: an edge (or a parent) that lies in
+    ``mode``, serving the store folder ``store`` (see that module for the modes)."""
+
+    def __init__(self, store, port: int | None = None, mode: str = "hang",
+                 donor: str | None = None) -> None:  # fmt: skip
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()
+        args = [sys.executable, "-m", "tests.hostile_edge", "--store", str(store)]
+        args += ["--port", str(self.port), "--mode", mode, *(["--donor", donor] if donor else [])]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.log)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/healthz", timeout=1).read()
+                return
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self._stderr()
+                time.sleep(0.1)
+
+    def _stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode()[-2000:]
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
 def get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):
     req = urllib.request.Request(url, headers=headers or {}, method=method)
     try:

@@ -16,7 +16,9 @@ honestly from the folder):
 * ``drip``: chunk objects are announced at their true size and sent one byte
   every 0.2 s;
 * ``gzip-bomb``: every key is answered with ``Content-Encoding: gzip`` and 2 MB
-  that inflate to 2 GiB of zeros (a parent edge that tries to exhaust its child).
+  that inflate to 2 GiB of zeros (a parent edge that tries to exhaust its child);
+* ``hang``: every request but ``/healthz`` is accepted and never answered (an edge
+  whose process is stuck, or a black-holed link).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-MODES = ("forge-object", "swap-manifest", "oversized", "endless", "drip", "gzip-bomb")
+MODES = ("forge-object", "swap-manifest", "oversized", "endless", "drip", "gzip-bomb", "hang")
 
 
 def gzip_bomb(inflated: int = 2 << 30) -> bytes:
@@ -62,6 +64,8 @@ def app(store: Path, mode: str, donor: str | None) -> web.Application:
 
     async def serve(request: web.Request) -> web.StreamResponse:
         key = request.match_info["key"]
+        if mode == "hang":
+            await asyncio.Event().wait()  # never answers: no headers, no body
         if bomb:
             return web.Response(body=bomb, headers={"Content-Encoding": "gzip"})
         path = store / key
