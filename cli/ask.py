@@ -302,8 +302,20 @@ def _print_answers(result: dict[str, Any]) -> None:
             served = ", ".join(f"{escape(s)} ({n} chunks)" for s, n in sources.items())
             out.print(f"[dim]served by {served}[/]")
         _print_rejected(load["rejected"])
+        _print_failed(load["chunks"])
     out.print(escape(kv["answer"]))
     _print_prefill(result)
+
+
+def _print_failed(chunks: list[dict[str, Any]], shown: int = 5) -> None:
+    """Chunks whose objects could not be used, and how they were loaded instead."""
+    failed = [c for c in chunks if c["failed"]]
+    for c in failed[:shown]:
+        how = "recomputed from its text" if c["level"] == "text" else f"loaded at {c['level']}"
+        err.print(f"[yellow]note:[/] chunk {c['index']} {how}: {escape('; '.join(c['failed']))}",
+                  highlight=False)  # fmt: skip
+    if len(failed) > shown:
+        err.print(f"[yellow]note:[/] {len(failed) - shown} more chunks like these")
 
 
 def _print_rejected(rejected: list[str]) -> None:

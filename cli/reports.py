@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvcdn.catalog import DocumentSummary
+    from kvcdn.check import StoreCheck
     from kvcdn.cluster import CorpusReport
     from kvcdn.gc import Collection, Removal
     from kvcdn.manifest import Manifest, ObjectRef
@@ -82,8 +83,10 @@ def calibrated(
     }
 
 
-def listing(docs: list[DocumentSummary]) -> list[dict[str, Any]]:
-    return [{"name": d.name, "versions": list(d.versions), "latest": d.latest} for d in docs]
+def listing(docs: list[DocumentSummary], latest: dict[str, int | None]) -> list[dict[str, Any]]:
+    """``kvcdn ls``: each document's listed versions and the one its pointer names."""
+    return [{"name": d.name, "versions": list(d.versions), "latest": latest[d.name]}
+            for d in docs]  # fmt: skip
 
 
 def removed(removal: Removal, dry_run: bool) -> dict[str, Any]:
@@ -145,6 +148,7 @@ def load(plan: LoadPlan) -> dict[str, Any]:
                 "ready_s": c.ready_s,
                 "quality": c.quality,
                 "abandoned": list(c.abandoned),
+                "failed": list(c.failed),
             }
             for c in plan.chunks
         ],
@@ -247,3 +251,23 @@ def cached_models(cached: list[CachedModel]) -> list[dict[str, Any]]:
         }
         for c in cached
     ]
+
+
+def store_check(report: StoreCheck) -> dict[str, Any]:
+    """``kvcdn check``: what was checked, what is wrong, and the orphans."""
+    return {
+        "store": report.store,
+        "ok": report.ok,
+        "whole_store": report.whole_store,
+        "documents": report.documents,
+        "versions": report.versions,
+        "objects": report.objects,
+        "bytes_read": report.bytes_read,
+        "problems": [
+            {"key": p.key, "kind": p.kind, "detail": p.detail, "used_by": list(p.used_by)}
+            for p in report.problems
+        ],
+        "orphans": list(report.orphans),
+        "orphan_bytes": report.orphan_bytes,
+        "seconds": report.seconds,
+    }

@@ -109,6 +109,32 @@ def question(value: Any, context_window: int, name: str = "question") -> str:
     return value
 
 
+def policy(value: Any) -> Any:
+    """A planner: a function with :func:`kvcdn.sdk.planner.plan`'s signature, or None."""
+    if value is None or callable(value):
+        return value
+    raise ArgumentError(
+        f"policy must be a planner function like kvcdn.sdk.planner.plan, not {_kind(value)}"
+        + (f" {value!r}" if isinstance(value, str) else "")
+    )
+
+
+def predictor(value: Any) -> Any:
+    """A throughput predictor: an object with ``predict_seconds(nbytes)`` and
+    ``observe(nbytes, seconds)`` (:class:`kvcdn.sdk.planner.ThroughputPredictor`), or None."""
+    if value is None:
+        return value
+    missing = [m for m in ("predict_seconds", "observe") if not callable(getattr(value, m, None))]
+    if missing:
+        raise ArgumentError(
+            f"predictor must be a throughput predictor such as "
+            f"kvcdn.sdk.planner.HarmonicPredictor(), not {_kind(value)}"
+            + (f" {value!r}" if isinstance(value, str) else "")
+            + f" (it has no {' or '.join(missing)})"
+        )
+    return value
+
+
 def trust(value: Any) -> TrustPolicy | None:
     """A :class:`TrustPolicy`, or the path of a trust file (read now), or None."""
     if value is None or isinstance(value, TrustPolicy):

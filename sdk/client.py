@@ -28,14 +28,16 @@ from kvcdn.signing import TrustPolicy
 from kvcdn.store import Reader
 
 from . import checks
+from .bounded import BoundedReader
 from .context import BlendedContext, Context, LoadPlan
 from .devspeed import DeviceSpeeds
-from .edges import EdgeStore, check_edges
+from .edges import check_edges
 from .loader import (
     AUTO,
     TimedReader,
     check_against_model,
     load_into,
+    monotonic_at,
     open_reader,
     resolve_manifest,
 )
@@ -114,18 +116,27 @@ class Client:
         self._edges = None if edges is None else check_edges(edges)
         self._edge_token = checks.optional_string(edge_token, "edge_token")
         self._endpoint_url = endpoint_url
-        self._reader: Reader | None = None
+        self._reader: BoundedReader | None = None
         self._reader_lock = threading.Lock()
         self._caches = _Caches(max_models)
         if checks.flag(warm, "warm"):
-            threading.Thread(target=self._warm_up, name="kvcdn-warm-up", daemon=True).start()
+            # The kernels in a thread Python joins at exit (a daemon thread inside
+            # native code at exit aborts the process); the store's first connection in
+            # a daemon thread, which an exit need not wait for.
+            threading.Thread(target=self._warm_kernels, name="kvcdn-warm-up").start()
+            threading.Thread(target=self._open_reader, name="kvcdn-open", daemon=True).start()
 
-    def _warm_up(self) -> None:
+    def _warm_kernels(self) -> None:
         try:
             codec.warm_up()
+        except Exception:  # the first request meets the same error and raises it
+            log.debug("warming up the decode kernels failed", exc_info=True)
+
+    def _open_reader(self) -> None:
+        try:
             self.reader  # noqa: B018  (opens it: S3's first connection, edges' pools)
         except Exception:  # the first request meets the same error and raises it
-            log.debug("warming up the client failed", exc_info=True)
+            log.debug("opening the store failed", exc_info=True)
 
     def __repr__(self) -> str:
         where = self._reader.url if self._reader is not None else self._store or "default store"
@@ -141,7 +152,7 @@ class Client:
         """Release the connections to edges and the loaded models."""
         with self._reader_lock:  # after a warm-up that may be opening it
             reader, self._reader = self._reader, None
-        if isinstance(reader, EdgeStore):
+        if reader is not None:
             reader.close()
         self._caches.models.clear()
 
@@ -166,7 +177,7 @@ class Client:
 
     # ---- what the client holds ---------------------------------------------------
     @property
-    def reader(self) -> Reader:
+    def reader(self) -> BoundedReader:
         """What this client reads through (opened on first use)."""
         with self._reader_lock:
             if self._reader is None:
@@ -244,10 +255,23 @@ class Client:
         deadline_s = checks.deadline(deadline_s)
         quality = checks.quality(quality)
         checks.model(model)
+        predictor = checks.predictor(predictor)
+        policy = checks.policy(policy)
+        cancel_late_fetches = checks.flag(cancel_late_fetches, "cancel_late_fetches")
         load = _Loading(self)
-        timed = TimedReader(load.reader)
+        clock = _Clock(started, deadline_s)
+
+        def model_off_the_clock(name: str | None) -> LoadedModel:
+            t = time.perf_counter()
+            try:
+                return self.model(name)
+            finally:
+                clock.pause(time.perf_counter() - t)
+
+        # the pointer and the manifest are read within the deadline
+        timed = TimedReader(load.reader.within(clock.deadline()))
         manifest, loaded, model_s = resolve_manifest(
-            source, timed, self.model, model, self.trust
+            source, timed, model_off_the_clock, model, self.trust
         )
         started += model_s  # loading the model is a one-off cost, not part of resolving
         if loaded is None:
@@ -322,6 +346,7 @@ class Client:
         deadline_s = checks.deadline(deadline_s)
         quality = checks.quality(quality)
         checks.model(model)
+        blend = checks.flag(blend, "blend")
         checks.optional_string(separator, "separator")
         if question is not None:
             checks.question(question, 1 << 20)  # its tokens are checked against the window below
@@ -422,6 +447,24 @@ class Client:
         return BlendedContext(
             manifests, loaded, cache, token_ids, plans, blended.report, ready_s, asked
         )
+
+
+class _Clock:
+    """A load's deadline: ``deadline_s`` after ``started`` (``perf_counter``), moved on by
+    the one-off costs that are not on the clock (loading the model)."""
+
+    def __init__(self, started: float, deadline_s: float | None) -> None:
+        self.started = started
+        self.deadline_s = deadline_s
+
+    def pause(self, seconds: float) -> None:
+        self.started += seconds
+
+    def deadline(self) -> float | None:
+        """The deadline on the readers' clock (``time.monotonic()``), or None."""
+        if self.deadline_s is None:
+            return None
+        return monotonic_at(self.started + self.deadline_s)
 
 
 class _Loading:

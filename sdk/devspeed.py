@@ -127,10 +127,14 @@ class DeviceSpeeds:
                 self._warmed.add(loaded.device)
         if warm:
             assert profile is not None
+            # Not a daemon: a daemon thread still inside a torch op when the interpreter
+            # exits is ended by CPython unwinding through torch's C++ frames, which
+            # aborts the process ("terminate called without an active exception").
+            # Python joins this one first: an exit waits for it (80 ms; a few seconds
+            # while numba loads its kernels).
             threading.Thread(
-                target=_warm_kernels, args=(profile, loaded.device), daemon=True,
-                name="kvcdn-warm-kernels",
-            ).start()  # fmt: skip
+                target=_warm_kernels, args=(profile, loaded.device), name="kvcdn-warm-kernels"
+            ).start()
         return speed, measured_s
 
     def is_known(self, loaded: LoadedModel) -> bool:

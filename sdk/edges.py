@@ -11,6 +11,11 @@ manifest is placed by its name, the one thing known before the manifest is.
 a connection error, a timeout, a 5xx, a 404, a body larger than the caller
 expects or too slow to arrive, or bytes that fail the caller's check (a
 checksum, a signature), and finally from the origin store if one is given.
+An edge that failed is a circuit breaker's open circuit: skipped for a while
+(:data:`DOWN_S`, doubling with failures in a row) as long as another edge or
+the origin can serve, then probed by one read. A read's deadline (its
+:class:`~kvcdn.store.Cancel`'s) bounds every wait: connecting, the headers,
+the body.
 Each read reports its source, and :attr:`EdgeStore.rejected` lists the edges
 that served bad bytes. An edge can lie; the origin is the authority: a reader
 without trust keys (:mod:`kvcdn.signing`) reads manifests and pointers from
@@ -35,6 +40,7 @@ import urllib3
 
 from kvcdn.errors import (
     AccessDenied,
+    DeadlineExceeded,
     FormatError,
     InputError,
     KvcdnError,
@@ -47,14 +53,21 @@ from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, Store
 
 log = logging.getLogger(__name__)
 
-DOWN_S = 5.0  # after a connection failure, an edge is tried last for this long
-BAD_BYTES_DOWN_S = 60.0  # and after it served bad bytes, for this long
+#: After a failure (no connection, a timeout, a 5xx), an edge's circuit is open: it is
+#: skipped for this long while another edge or the origin can serve, doubling with
+#: each failure in a row up to MAX_DOWN_S; then one read probes it again.
+DOWN_S = 5.0
+MAX_DOWN_S = 60.0
+BAD_BYTES_DOWN_S = 60.0  # after it served bad bytes, it is skipped for this long
 PIECE = 64 << 10  # bodies are read in pieces of this size, reporting progress
 MIN_BODY_BPS = 32 << 10  # a body arriving slower than this on average is abandoned
 MAX_LISTING_BYTES = 16 << 20  # one page of a listing
-#: Keys per warm job: half of what an edge accepts in one request (100,000), so a
-#: corpus of any size is warmed in jobs every edge takes.
-WARM_BATCH_KEYS = 50_000
+#: Keys per warm job: what an edge accepts in one request (edge.admin.MAX_WARM_KEYS),
+#: so a corpus of any size is warmed in jobs every edge takes.
+WARM_BATCH_KEYS = 4096
+#: Warm jobs one call keeps running on an edge at once; the next start as they finish
+#: (an edge runs at most 64 jobs, from all its admins).
+WARM_JOBS_PER_EDGE = 4
 
 
 class _EdgeFailed(Exception):
@@ -155,7 +168,10 @@ class EdgeStore:
             retries=False,  # failing over is this class's job
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
         )
-        self._down: dict[str, float] = {}
+        self._down: dict[str, float] = {}  # edge -> until when its circuit is open
+        self._failures: dict[str, int] = {}  # edge -> failures in a row
+        self._probing: set[str] = set()  # edges whose circuit one read is probing
+        self.connect_timeout_s = connect_timeout_s
         self._lock = threading.Lock()
         #: Edges that served bad bytes, in the order it happened (most recent 100).
         self.rejected: list[Rejected] = []
@@ -175,9 +191,40 @@ class EdgeStore:
         ranked = rendezvous(self.edges, placement)
         return [e for e in ranked if e not in down] + [e for e in ranked if e in down]
 
-    def _mark_down(self, edge: str, seconds: float) -> None:
+    def _mark_down(self, edge: str, seconds: float | None = None) -> None:
+        """Open ``edge``'s circuit: for ``seconds``, or by its failures in a row."""
         with self._lock:
+            failures = self._failures[edge] = self._failures.get(edge, 0) + 1
+            if seconds is None:
+                seconds = min(MAX_DOWN_S, DOWN_S * 2 ** (failures - 1))
             self._down[edge] = time.monotonic() + seconds
+            self._probing.discard(edge)
+
+    def _mark_up(self, edge: str) -> None:
+        if edge in self._failures or edge in self._probing:
+            with self._lock:
+                self._failures.pop(edge, None)
+                self._down.pop(edge, None)
+                self._probing.discard(edge)
+
+    def _admit(self, ranked: list[str]) -> list[str]:
+        """The edges of ``ranked`` a read tries: those whose circuit is closed, and one
+        whose circuit is half-open (its time down is over) if no other read is probing
+        it. Every edge when none is admitted and there is no origin to read instead."""
+        now = time.monotonic()
+        admitted = []
+        with self._lock:
+            for edge in ranked:
+                if self._down.get(edge, 0.0) > now:
+                    continue  # open
+                if edge in self._failures:  # half-open: one read probes it
+                    if edge in self._probing:
+                        continue
+                    self._probing.add(edge)
+                admitted.append(edge)
+        if not admitted and self.origin is None:
+            return list(ranked)
+        return admitted
 
     def _reject(self, edge: str, key: str, reason: str) -> None:
         self._mark_down(edge, BAD_BYTES_DOWN_S)
@@ -215,17 +262,25 @@ class EdgeStore:
         failures: list[str] = []
         bad: list[KvcdnError] = []  # bytes served that failed ``check``
         missing = refused = 0
-        for edge in self.order(placement or placement_key(key)):
+        tried = self._admit(rendezvous(self.edges, placement or placement_key(key)))
+        for i, edge in enumerate(tried):
             if cancel is not None and cancel.is_set():
+                self._release_probes(tried[i:])
                 raise FetchCancelled
+            timeout = self._timeout(cancel)
+            if timeout is None:
+                self._release_probes(tried[i:])
+                raise DeadlineExceeded(f"{key}: no time left to read it from {edge}")
             try:
                 resp = self._http.request(
-                    "GET", f"{edge}/{quote(key)}", headers=self._headers, preload_content=False
-                )
+                    "GET", f"{edge}/{quote(key)}", headers=self._headers, preload_content=False,
+                    timeout=timeout,
+                )  # fmt: skip
             except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
                 if cancel is not None and cancel.is_set():
+                    self._release_probes(tried[i:])
                     raise FetchCancelled from None  # our own shutdown of the socket
-                self._mark_down(edge, DOWN_S)
+                self._mark_down(edge)
                 failures.append(f"{edge}: {exc}")
                 log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
                 continue
@@ -237,13 +292,21 @@ class EdgeStore:
                     failures.append(f"{edge}: {exc}")
                     bad.append(FormatError(str(exc)))
                     continue
+                except DeadlineExceeded:
+                    self._mark_down(edge)  # no answer in time: others are tried first a while
+                    self._release_probes(tried[i + 1 :])
+                    raise
                 except (urllib3.exceptions.HTTPError, OSError) as exc:
                     if cancel is not None and cancel.is_set():
+                        self._release_probes(tried[i + 1 :])
                         raise FetchCancelled from None
-                    self._mark_down(edge, DOWN_S)
+                    self._mark_down(edge)
                     failures.append(f"{edge}: {exc}")
                     log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
                     continue
+                except BaseException:
+                    self._release_probes(tried[i:])
+                    raise
                 if check is not None:
                     try:
                         check(data)
@@ -252,21 +315,30 @@ class EdgeStore:
                         failures.append(f"{edge}: {exc}")
                         bad.append(exc)
                         continue
+                self._mark_up(edge)
+                self._release_probes(tried[i + 1 :])
                 return Fetched(key, data, edge, time.perf_counter() - started)
             reason = _error_reason(resp)
             failures.append(f"{edge}: {resp.status} {reason}")
             if resp.status == 404:
                 missing += 1
+                self._mark_up(edge)  # it answered
             elif resp.status in (401, 403):
                 refused += 1
+                self._mark_up(edge)
+            elif resp.status >= 500:
+                self._mark_down(edge)
             log.warning(
                 "edge %s answered %d for %s, trying the next source", edge, resp.status, key
             )
+        skipped = len(self.edges) - len(tried)
         if self.origin is not None:
             got = self.origin.fetch(
                 key, max_bytes=limit, check=check, on_bytes=on_bytes, cancel=cancel
             )
             return Fetched(key, got.data, "origin", time.perf_counter() - started)
+        if skipped:
+            failures.append(f"{skipped} edge(s) skipped while they recover from failures")
         if bad and len(bad) == len(failures):  # say what was wrong, in its own terms
             raise type(bad[-1])(f"every edge served bad bytes for {key}: {'; '.join(failures)}")
         if missing and missing + refused == len(failures):
@@ -274,6 +346,23 @@ class EdgeStore:
         if refused and refused == len(failures):
             raise AccessDenied(f"the edges refused to serve {key}; check the edge token")
         raise StoreError(f"no edge could serve {key}: {'; '.join(failures)}")
+
+    def _release_probes(self, edges: list[str]) -> None:
+        """Edges a read admitted as a probe and will not try after all."""
+        with self._lock:
+            self._probing.difference_update(edges)
+
+    def _timeout(self, cancel: Cancel | None) -> urllib3.Timeout | None:
+        """This request's timeouts: the reader's, cut to the time its read has left
+        (None: no time left)."""
+        left = cancel.time_left() if cancel is not None else None
+        if left is None:
+            return urllib3.Timeout(connect=self.connect_timeout_s, read=self.read_timeout_s)
+        if left <= 0:
+            return None
+        return urllib3.Timeout(
+            connect=min(self.connect_timeout_s, left), read=min(self.read_timeout_s, left)
+        )
 
     def _read_body(
         self,
@@ -295,7 +384,10 @@ class EdgeStore:
 
         pieces: list[bytes] = []
         received = 0
-        watchdog = threading.Timer(self.read_timeout_s + max_bytes / self.min_body_bps, cut_off)
+        budget = self.read_timeout_s + max_bytes / self.min_body_bps
+        left = cancel.time_left() if cancel is not None else None
+        by_deadline = left is not None and left < budget  # cut off by the read's deadline
+        watchdog = threading.Timer(min(budget, left) if by_deadline else budget, cut_off)
         watchdog.daemon = True
         try:
             declared = resp.headers.get("Content-Length")
@@ -317,9 +409,13 @@ class EdgeStore:
                     raise FetchCancelled
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled  # the shut socket ended the body early
+            if too_slow.is_set() and by_deadline:
+                raise DeadlineExceeded("its body did not arrive by the read's deadline")
             if too_slow.is_set():
                 raise _EdgeFailed("its body arrived too slowly")
         except (urllib3.exceptions.HTTPError, OSError):
+            if too_slow.is_set() and by_deadline:
+                raise DeadlineExceeded("its body did not arrive by the read's deadline") from None
             if too_slow.is_set():
                 raise _EdgeFailed(
                     f"its body arrived slower than {self.min_body_bps / 1024:.0f} KiB/s"
@@ -565,7 +661,8 @@ class WarmOutcome:
 
     assignment: WarmAssignment
     #: running (not waited for), done, failed (some keys), unreachable (the
-    #: edge did not answer or answered nonsense) or refused (the admin token).
+    #: edge did not answer or answered nonsense) or refused (the admin token);
+    #: queued only while :func:`warm_edges` runs.
     state: str
     job: WarmJobStatus | None = None
     error: str | None = None  # why the edge is unreachable or refused
@@ -589,7 +686,9 @@ def warm_edges(
 ) -> list[WarmOutcome]:
     """Ask each edge to hold the objects placed on it (:func:`plan_warm`: one job
     per edge and per ``batch_keys`` keys) and, with ``wait``, follow the jobs until
-    every one has finished.
+    every one has finished, running at most :data:`WARM_JOBS_PER_EDGE` on an edge
+    at once. Without ``wait`` every job is started at once (an edge refuses more
+    than 64 running ones: its outcome says so).
 
     ``on_progress(assignment, done, total)`` is called as jobs advance. An
     edge that fails (unreachable, refused, nonsense) does not stop the others;
@@ -597,15 +696,43 @@ def warm_edges(
     """
     plan = plan_warm(manifests, edges, levels, replicas, batch_keys)
     admin = EdgeAdmin(admin_token)
-    outcomes: list[WarmOutcome] = []
-    for assignment in plan:
+    outcomes = [WarmOutcome(assignment, "queued") for assignment in plan]
+
+    def start(outcome: WarmOutcome) -> None:
+        edge = outcome.assignment.edge
         try:
-            answer = admin.warm(assignment.edge, assignment.keys)
-            job = WarmJobStatus.from_json(assignment.edge, answer)
-            outcomes.append(WarmOutcome(assignment, job.state, job))
+            job = WarmJobStatus.from_json(edge, admin.warm(edge, outcome.assignment.keys))
+            outcome.job, outcome.state = job, job.state
         except KvcdnError as exc:
-            state = "refused" if isinstance(exc, AccessDenied) else "unreachable"
-            outcomes.append(WarmOutcome(assignment, state, error=str(exc)))
+            outcome.state = "refused" if isinstance(exc, AccessDenied) else "unreachable"
+            outcome.error = str(exc)
+
+    def start_more() -> None:
+        """Start queued jobs: up to WARM_JOBS_PER_EDGE running per edge (all of them
+        without ``wait``); none more on an edge that failed."""
+        running: dict[str, int] = {}
+        failed: set[str] = set()
+        for o in outcomes:
+            if o.state == "running":
+                running[o.assignment.edge] = running.get(o.assignment.edge, 0) + 1
+            elif o.state in ("refused", "unreachable"):
+                failed.add(o.assignment.edge)
+        for o in outcomes:
+            edge = o.assignment.edge
+            if o.state != "queued" or edge in failed:
+                continue
+            if wait and running.get(edge, 0) >= WARM_JOBS_PER_EDGE:
+                continue
+            start(o)
+            if o.state == "running":
+                running[edge] = running.get(edge, 0) + 1
+            elif o.state in ("refused", "unreachable"):
+                failed.add(edge)
+        for o in outcomes:  # an edge that failed gets no more of its jobs
+            if o.state == "queued" and o.assignment.edge in failed:
+                o.state, o.error = "unreachable", f"{o.assignment.edge} failed an earlier job"
+
+    start_more()
     while wait:
         for outcome in outcomes:
             if outcome.state != "running" or outcome.job is None:
@@ -618,22 +745,8 @@ def warm_edges(
                 outcome.state, outcome.error = "unreachable", str(exc)
             if on_progress is not None and outcome.job is not None:
                 on_progress(outcome.assignment, outcome.job.done, outcome.job.total)
-        if all(o.state != "running" for o in outcomes):
+        start_more()
+        if all(o.state not in ("running", "queued") for o in outcomes):
             break
         time.sleep(poll_s)
     return outcomes
-
-
-__all__ = [
-    "EdgeAdmin",
-    "EdgeStore",
-    "Fetched",
-    "WarmAssignment",
-    "WarmJobStatus",
-    "WarmOutcome",
-    "check_edges",
-    "plan_warm",
-    "rendezvous",
-    "warm_edges",
-    "warm_keys",
-]

@@ -16,7 +16,7 @@ from pathlib import Path
 from kvcdn import catalog
 from kvcdn.codec import RANS_CODEC, TEXT_LEVEL
 from kvcdn.codec_profile import CodecProfile
-from kvcdn.errors import FingerprintMismatch, FormatError, InputError, NotFound
+from kvcdn.errors import FingerprintMismatch, FormatError, InputError, KvcdnError, NotFound
 from kvcdn.keys import NAME_PATTERN
 from kvcdn.kv import split_chunks
 from kvcdn.manifest import Manifest
@@ -27,6 +27,7 @@ from kvcdn.signing import TrustPolicy
 from kvcdn.store import Cancel, Check, Fetched, Reader, Store, open_store
 
 from . import checks
+from .bounded import BoundedReader
 from .context import LoadPlan
 from .devspeed import DeviceSpeeds, assumed_speed
 from .edges import EdgeStore
@@ -62,19 +63,25 @@ def open_reader(
 
     Without ``trust``, manifests and pointers are read from ``store`` when one
     is given, not from the edges: only the origin decides which objects load.
+    Every read can be given up at its deadline (:class:`BoundedReader`).
     """
     checks.store(store)
     checks.optional_string(endpoint_url, "endpoint_url")
+    if isinstance(store, BoundedReader):
+        return store
+    inner: Reader
     if edges is not None:
         origin = None
         if isinstance(store, Store):
             origin = store
         elif isinstance(store, str):
             origin = open_store(store, endpoint_url=endpoint_url, create=False)
-        return EdgeStore(edges, origin, token=edge_token, documents_from_origin=trust is None)
-    if store is None or isinstance(store, str):
-        return open_store(store, endpoint_url=endpoint_url, create=False)
-    return store  # a Store, or an EdgeStore the caller configured
+        inner = EdgeStore(edges, origin, token=edge_token, documents_from_origin=trust is None)
+    elif store is None or isinstance(store, str):
+        inner = open_store(store, endpoint_url=endpoint_url, create=False)
+    else:
+        inner = store  # a Store, or an EdgeStore the caller configured
+    return BoundedReader(inner)
 
 
 class TimedReader:
@@ -202,6 +209,12 @@ def check_against_model(manifest: Manifest, loaded: LoadedModel | ModelIdentity)
             f"{theirs[2]}, but {loaded.name} has {mine[0]} x {mine[1]} x {mine[2]}: "
             "the manifest is inconsistent"
         )
+    dtype, possible = manifest.kv_layout["dtype"], kv_dtypes(loaded)
+    if dtype not in possible:
+        raise FormatError(
+            f"{manifest.ref} says its KV was computed in {dtype}, which {loaded.name} never "
+            f"computes KV in ({', '.join(sorted(possible))}): the manifest is inconsistent"
+        )
     loaded.check_fits(manifest.token_count)
     vocab = loaded.vocab_size
     if any(t >= vocab for c in manifest.chunks for t in c.tokens):
@@ -209,6 +222,18 @@ def check_against_model(manifest: Manifest, loaded: LoadedModel | ModelIdentity)
     expected = split_chunks(loaded.fingerprint, manifest.token_ids, manifest.chunk_tokens)
     if [c.hash for c in expected] != [c.hash for c in manifest.chunks]:
         raise FormatError(f"manifest of {manifest.ref}: chunk hashes do not match its tokens")
+
+
+def kv_dtypes(model: LoadedModel | ModelIdentity) -> set[str]:
+    """The dtypes a publisher computes this model's KV in: float32 (transformers on a
+    CPU), bfloat16 (on a GPU, and vLLM's default for float32 checkpoints), and the
+    checkpoint's own dtype (what an engine serving it as it is computes in)."""
+    if isinstance(model, LoadedModel):
+        stored = getattr(model.model.config, "dtype", None) or "float32"
+        checkpoint = str(stored).removeprefix("torch.")
+    else:
+        checkpoint = model.layout.dtype  # from the model folder's config
+    return {"float32", "bfloat16", checkpoint}
 
 
 def check_quality(manifest: Manifest, quality: str) -> list[str]:
@@ -269,6 +294,33 @@ def _profile(
     return profile
 
 
+def _profile_or_fewer_levels(
+    manifest: Manifest, levels: list[str], reader: Reader, profiles: ProfileCache,
+    fingerprint: str,
+) -> tuple[CodecProfile | None, dict[str, str]]:
+    """:func:`_profile`; when it cannot be had (missing, damaged, not in by the
+    deadline), the levels that need it fail (level -> why) and the others load."""
+    try:
+        return _profile(manifest, levels, reader, profiles, fingerprint), {}
+    except KvcdnError as exc:
+        reason = f"its codec profile cannot be used ({str(exc).splitlines()[0][:200]})"
+        log.warning("%s: %s; loading without the levels that need it", manifest.ref, reason)
+        return None, {lv: reason for lv in levels if manifest.levels[lv].codec == RANS_CODEC}
+
+
+def monotonic_at(perf_deadline: float | None) -> float | None:
+    """A ``time.perf_counter()`` instant on the readers' clock (``time.monotonic()``)."""
+    if perf_deadline is None:
+        return None
+    return time.monotonic() + perf_deadline - time.perf_counter()
+
+
+def within(reader: Reader, perf_deadline: float | None) -> Reader:
+    """``reader`` with every read ending by ``perf_deadline`` (None: as it is)."""
+    bounded = reader if isinstance(reader, BoundedReader) else BoundedReader(reader)
+    return bounded.within(monotonic_at(perf_deadline))
+
+
 def load_into(
     target: KVTarget,
     manifest: Manifest,
@@ -295,10 +347,14 @@ def load_into(
     if not levels:
         return _recompute_into(target, manifest, loaded, reader, started, seconds, deadline_s)
     t = time.perf_counter()
-    profile = _profile(manifest, levels, reader, profiles, loaded.fingerprint)
+    ends_at = None if deadline_s is None else started + deadline_s
+    profile, failed = _profile_or_fewer_levels(
+        manifest, levels, within(reader, ends_at), profiles, loaded.fingerprint
+    )
     speed, measured_s = speeds.get(loaded, manifest, profile)
     if measured_s:  # once per device and model, like loading the model: not on the clock
         started += measured_s
+        ends_at = None if ends_at is None else ends_at + measured_s
         seconds["measure_device"] = measured_s
     seconds["prepare"] = time.perf_counter() - t - measured_s
 
@@ -321,6 +377,8 @@ def load_into(
         deadline_at=deadline_at,
         concurrency=2 if deadline_at is not None else 4,
         cancel_late_fetches=cancel_late_fetches,
+        fetch_deadline=ends_at,
+        failed_levels=failed,
     )
     t = time.perf_counter()
     result = pipeline.run()
@@ -341,6 +399,10 @@ def load_into(
         replans=result.replans,
         cancelled=result.cancelled,
     )
+    refused = sum(1 for c in result.chunks if c.failed)
+    if refused:
+        log.warning("%s: %d chunk(s) loaded another way than planned: objects that could "
+                    "not be used (see the load's report)", manifest.ref, refused)  # fmt: skip
     log.info(
         "loaded %s (%s): %s; %d bytes; ready in %.2f s (predicted %.2f s with the answer)",
         manifest.ref,
@@ -413,7 +475,8 @@ def load_prefix_into(
     if not levels:
         raise InputError("an engine loads stored levels; 'text' is the engine's own prefill")
     started = time.perf_counter()
-    profile = _profile(manifest, levels, reader, profiles, model.fingerprint)
+    give_up_at = None if deadline_s is None else started + deadline_s
+    profile = _profile(manifest, levels, within(reader, give_up_at), profiles, model.fingerprint)
     deadline_at = None
     if deadline_s is not None:
         deadline_at = started + deadline_s * (1 - DEADLINE_MARGIN)
@@ -433,7 +496,8 @@ def load_prefix_into(
         concurrency=4,
         chunk_range=chunks,
         partial=True,
-        give_up_at=None if deadline_s is None else started + deadline_s,
+        give_up_at=give_up_at,
+        fetch_deadline=give_up_at,
         device=device,
     )
     result = pipeline.run()

@@ -14,6 +14,12 @@ feeds the throughput predictor, and re-plans after every chunk completes.
 When a fetch in flight can no longer make the deadline and dropping it gives
 a faster plan, it is cancelled and its chunk planned again (a lower level or
 ``text``).
+
+An object that cannot be had (missing, as after a gc, damaged, from a store
+or an edge that failed, or not in by the deadline) is treated like a late
+one: its level is dropped for that chunk, which is planned again (another
+stored level where the deadline allows, otherwise ``text``). An engine's load
+(``partial``) instead leaves that chunk and the rest to the engine.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from kvcdn.codec import decode_chunk, decode_into_blocks
-from kvcdn.errors import FormatError
+from kvcdn.errors import DeadlineExceeded, FormatError, KvcdnError, NotFound, TrustError
 from kvcdn.kernels.permuted import PermutedBlocks
 from kvcdn.manifest import ChunkEntry, Manifest
 from kvcdn.models import LoadedModel
@@ -67,6 +73,9 @@ class ChunkReport:
     ready_s: float  # its KV was in the cache
     quality: float = 1.0  # the level's quality score (1.0: exact)
     abandoned: list[str] = field(default_factory=list)  # levels whose fetch was cancelled
+    #: "level: why" for each level whose object could not be used (missing, damaged,
+    #: unreachable, late): the chunk was loaded another way.
+    failed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -102,6 +111,8 @@ class _Chunk:
     start_s: float = 0.0
     ready_s: float = 0.0
     abandoned: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    unusable: set[str] = field(default_factory=set)  # levels that failed for this chunk
 
 
 @dataclass(frozen=True)
@@ -124,13 +135,33 @@ class _DeviceDone:
 
 @dataclass(frozen=True)
 class _Failed:
-    """Work on ``chunk`` raised ``error``; the controller raises it."""
+    """Work on ``chunk`` raised ``error`` (its fetch number ``attempt``, or its device
+    work when None); the controller plans the chunk again, or raises it."""
 
     chunk: _Chunk
     error: BaseException
+    attempt: int | None = None
 
 
 _Event = _Fetched | _DeviceDone | _Failed
+
+
+def failure_reason(error: KvcdnError, key: str = "") -> str:
+    """Why the object ``key`` could not be used, in a few words (the log has the error)."""
+    if isinstance(error, NotFound):
+        return "missing from the store"
+    if isinstance(error, DeadlineExceeded):
+        return "not in by the deadline"
+    if isinstance(error, (FormatError, TrustError)):
+        return f"damaged ({_first_line(error, key)})"
+    return f"could not be read ({_first_line(error, key)})"
+
+
+def _first_line(error: BaseException, key: str, limit: int = 160) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if key:
+        text = text.replace(f"object {key}", "it").replace(key, "it")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class _LinkMeter:
@@ -202,15 +233,20 @@ class Pipeline:
         chunk_range: tuple[int, int] | None = None,
         partial: bool = False,
         give_up_at: float | None = None,
+        fetch_deadline: float | None = None,
+        failed_levels: dict[str, str] | None = None,
         device: str | None = None,
     ) -> None:
         """``chunk_range``: load only chunks ``[first, end)``. ``partial``: a chunk that
         fails (its fetch from every source, its check or its decode) or is not in
         the target by ``give_up_at`` is skipped with every chunk after it, instead
         of failing the load: an engine that computes what is missing loads the
-        longest prefix it can get in time. Without ``loaded`` (an engine's load,
-        which the engine completes) nothing is recomputed here, and ``device``
-        says where to decode."""
+        longest prefix it can get in time. Without ``partial``, a level that fails
+        is dropped for its chunk, which is planned again. ``fetch_deadline``
+        (``perf_counter`` seconds) ends every fetch: one not in by then fails.
+        ``failed_levels`` (level -> why) cannot be used for any chunk.
+        Without ``loaded`` (an engine's load, which the engine completes) nothing
+        is recomputed here, and ``device`` says where to decode."""
         self.manifest = manifest
         self.loaded = loaded
         self.device = device or (loaded.device if loaded is not None else "cpu")
@@ -229,8 +265,13 @@ class Pipeline:
         self.cancel_late_fetches = cancel_late_fetches and deadline_at is not None
         first, end = chunk_range or (0, len(manifest.chunks))
         self.chunks = [_Chunk(c) for c in manifest.chunks[first:end]]
+        for level, why in (failed_levels or {}).items():
+            for c in self.chunks:
+                c.unusable.add(level)
+                c.failed.append(f"{level}: {why}")
         self.partial = partial
         self.give_up_at = give_up_at
+        self.fetch_deadline = fetch_deadline
         self.meter = _LinkMeter(predictor)
         self.events: queue.Queue[_Event] = queue.Queue()
         # device costs as measured, corrected by what this load's device work takes
@@ -248,7 +289,7 @@ class Pipeline:
         options = []
         for name in self.levels:
             ref = entry.objects.get(name)
-            if ref is None:
+            if ref is None or name in chunk.unusable:
                 continue
             decode_s = self.speed.decode_seconds(self.manifest.levels[name].id, tokens)
             options.append(
@@ -318,25 +359,24 @@ class Pipeline:
     def run(self) -> PipelineResult:
         self._t0 = time.perf_counter()
         first = self._plan(self._t0)
-        # Room for abandoned fetches still blocked on a stalled link beside the live ones.
-        fetchers = ThreadPoolExecutor(self.concurrency + 8, thread_name_prefix="kvcdn-fetch")
         device = ThreadPoolExecutor(1, thread_name_prefix="kvcdn-device")
         try:
-            self._loop(fetchers, device)
+            self._loop(device)
         except BaseException:
             for c in self.chunks:
                 c.cancel.set()
             raise
         finally:
-            # a failed load does not wait for reads it no longer needs
-            fetchers.shutdown(wait=False, cancel_futures=True)
+            # Fetches no longer needed are not waited for: each runs in a daemon thread
+            # that only reads (a read blocked on a hung store must not hold the process
+            # at exit); the device's work, which writes into the target, is.
             device.shutdown(wait=True, cancel_futures=True)
         reports = []
         for c in self.chunks:
             if c.state is _State.SKIPPED:
                 reports.append(
                     ChunkReport(c.entry.index, c.entry.end - c.entry.start, SKIPPED, "", 0,
-                                c.start_s, 0.0, 0.0, c.abandoned)  # fmt: skip
+                                c.start_s, 0.0, 0.0, c.abandoned, c.failed)  # fmt: skip
                 )
                 continue
             assert c.option is not None
@@ -351,6 +391,7 @@ class Pipeline:
                     ready_s=c.ready_s,
                     quality=c.option.quality,
                     abandoned=c.abandoned,
+                    failed=c.failed,
                 )
             )
         loaded = next(
@@ -360,7 +401,7 @@ class Pipeline:
             reports, first.predicted_s, first.feasible, self.replans, self.cancelled, loaded
         )
 
-    def _loop(self, fetchers: ThreadPoolExecutor, device: ThreadPoolExecutor) -> None:
+    def _loop(self, device: ThreadPoolExecutor) -> None:
         device_busy = False
         last_cancel = 0.0
         while any(c.state not in (_State.DONE, _State.SKIPPED) for c in self.chunks):
@@ -380,7 +421,7 @@ class Pipeline:
                 if fetching >= self.concurrency:
                     break
                 if c.state is _State.PENDING and c.planned is not None and c.planned.level != TEXT:
-                    self._start_fetch(c, fetchers, now)
+                    self._start_fetch(c, now)
                     fetching += 1
             # give the device work: decode what has arrived, else the next text chunk
             if not device_busy:
@@ -398,9 +439,16 @@ class Pipeline:
                         self._plan(now)
                 continue
             chunk = event.chunk
+            if isinstance(event, _Failed) and event.attempt not in (None, chunk.attempt):
+                continue  # from a fetch abandoned earlier
+            if isinstance(event, _Failed) and not self.partial:
+                if chunk.state is _State.DEVICE:
+                    device_busy = False
+                    self._device_task = None
+                self._drop_level(chunk, event.error)
+                self._plan(now)
+                continue
             if isinstance(event, _Failed):
-                if not self.partial:
-                    raise event.error
                 log.warning(
                     "chunk %d of %s: %s; it and the chunks after it are left to the engine",
                     chunk.entry.index, self.manifest.ref, event.error,
@@ -439,7 +487,24 @@ class Pipeline:
             c.state = _State.SKIPPED
             c.data = b""
 
-    def _start_fetch(self, c: _Chunk, pool: ThreadPoolExecutor, now: float) -> None:
+    def _drop_level(self, c: _Chunk, error: BaseException) -> None:
+        """A level of ``c`` failed (its fetch, its check or its decode): plan the chunk
+        again without it. Anything but a kvcdn error, or a failed recompute, is raised."""
+        level = c.option.level if c.option is not None else ""
+        if not isinstance(error, KvcdnError) or level in ("", TEXT) or self.loaded is None:
+            raise error
+        log.warning("chunk %d of %s: its %s object cannot be used (%s); loading it another "
+                    "way", c.entry.index, self.manifest.ref, level, error)  # fmt: skip
+        c.failed.append(f"{level}: {failure_reason(error, c.entry.objects[level].key)}")
+        c.unusable.add(level)
+        c.cancel.set()
+        c.cancel = Cancel()
+        c.attempt += 1  # news from the failed fetch is ignored
+        c.state = _State.PENDING
+        c.data = b""
+        c.received = 0
+
+    def _start_fetch(self, c: _Chunk, now: float) -> None:
         assert c.planned is not None
         c.option = c.planned
         c.state = _State.FETCHING
@@ -447,6 +512,8 @@ class Pipeline:
         c.attempt += 1
         c.start_s = now - self._t0
         ref = c.entry.objects[c.option.level]
+        if self.fetch_deadline is not None:  # the same instant, on the readers' clock
+            c.cancel.limit(time.monotonic() + self.fetch_deadline - time.perf_counter())
         cancel, attempt = c.cancel, c.attempt
 
         def on_bytes(n: int) -> None:
@@ -466,11 +533,11 @@ class Pipeline:
             except FetchCancelled:
                 self.events.put(_Fetched(c, attempt, cancelled=True))
             except BaseException as exc:
-                if not cancel.is_set():  # handed to the controller, which raises it
-                    self.events.put(_Failed(c, exc))
+                if not cancel.is_set() or cancel.deadline_passed():  # for the controller
+                    self.events.put(_Failed(c, exc, attempt))
 
         self.meter.start(now)
-        pool.submit(work)
+        threading.Thread(target=work, name="kvcdn-fetch", daemon=True).start()
 
     def _abandon(self, c: _Chunk) -> None:
         """Put a cancelled fetch's chunk back to be planned, without waiting for its

@@ -8,11 +8,10 @@ body, a body that drips.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -20,13 +19,13 @@ from click.testing import CliRunner
 
 from kvcdn import sdk
 from kvcdn.cli.main import cli
-from kvcdn.errors import TrustError
+from kvcdn.errors import DeadlineExceeded, TrustError
 from kvcdn.publish import publish
 from kvcdn.sdk.edges import EdgeStore, rendezvous
 from kvcdn.signing import SigningKey, TrustPolicy
 from kvcdn.store import open_store
 from tests.conftest import free_port
-from tests.edge_helpers import EdgeProcess
+from tests.edge_helpers import EdgeProcess, Hostile
 
 LEVEL = "int8"
 
@@ -47,31 +46,6 @@ def signed(model, sed_text, tmp_path_factory):
     )  # fmt: skip
     reference = sdk.load_context("victim", model=model, store=store, quality=LEVEL)
     return root, key, victim, reference
-
-
-class Hostile:
-    def __init__(self, store, port: int, mode: str, donor: str | None = None) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.TemporaryFile()
-        args = [sys.executable, "-m", "tests.hostile_edge", "--store", str(store)]
-        args += ["--port", str(port), "--mode", mode, *(["--donor", donor] if donor else [])]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.log)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/healthz", timeout=1).read()
-                return
-            except OSError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, self._stderr()
-                time.sleep(0.1)
-
-    def _stderr(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode()[-2000:]
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
 
 
 def _ports(placement: str) -> tuple[int, int]:
@@ -194,3 +168,74 @@ def test_a_dripping_body_is_abandoned_for_the_next_source(signed, model, chain_h
     finally:
         hostile.stop()
         honest.kill()
+
+
+# ---- an edge that accepts connections and never answers ----------------------------
+
+
+@pytest.fixture
+def hanging(signed):
+    edge = Hostile(signed[0], mode="hang")
+    yield edge
+    edge.stop()
+
+
+def test_a_deadline_holds_against_an_edge_that_never_answers(signed, model, hanging, tmp_path):
+    """With only such an edge, a load gives up at its deadline (the clock starts at the
+    call), saying why; it waited out a 30 s read timeout before."""
+    started = time.perf_counter()
+    with pytest.raises(DeadlineExceeded, match="did not answer in time"):
+        sdk.load_context("victim", model=model, edges=[hanging.url], deadline_s=2)
+    assert time.perf_counter() - started < 2 + 1.0
+    env = {k: v for k, v in os.environ.items() if k != "KVCDN_STORE"}  # edges only
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcdn.cli.main", "ask", "victim", "What is sed?",
+         "--edge", hanging.url, "--deadline", "2"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - started  # Python, torch and the model load, then 2 s
+    assert done.returncode == 4, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "did not answer in time" in lines[0], lines
+    assert elapsed < 25
+
+
+def test_the_store_serves_when_the_edge_in_front_of_it_hangs(signed, model, hanging):
+    root, _, _, reference = signed
+    started = time.perf_counter()
+    ctx = sdk.load_context("victim", model=model, edges=[hanging.url], store=str(root),
+                           deadline_s=4)  # fmt: skip
+    elapsed = time.perf_counter() - started
+    assert elapsed < 4 + 3.0
+    assert set(ctx.plan.chunk_sources) <= {"origin", "text"}
+    assert ctx.generate("What is sed?", max_new_tokens=1).token_ids == reference.generate(
+        "What is sed?", max_new_tokens=1
+    ).token_ids
+
+
+def test_a_failing_edge_is_skipped_for_a_while_then_probed(signed, hanging, tmp_path):
+    """The circuit breaker: after one read waits out the hanging edge, the next reads go
+    to the next source at once; once the edge's time down is over, one read probes it."""
+    import kvcdn.sdk.edges as edges_module
+    from kvcdn.store import open_store
+
+    root = signed[0]
+    key = next(p for p in sorted((root / "objects").rglob("*.kvc"))).relative_to(root).as_posix()
+    reader = EdgeStore([hanging.url], open_store(str(root)), read_timeout_s=1.0)
+    timings = []
+    for _ in range(3):
+        started = time.perf_counter()
+        got = reader.fetch(key)
+        timings.append(time.perf_counter() - started)
+        assert got.source == "origin"
+    print("fetches through a hanging edge, then past it:", ", ".join(f"{t:.2f} s" for t in timings))
+    assert timings[0] >= 1.0  # it waited for the edge once ...
+    assert max(timings[1:]) < 0.5  # ... then went to the store at once
+    with reader._lock:  # its time down is over: the next read probes it (and waits again)
+        reader._down[hanging.url] = 0.0
+    started = time.perf_counter()
+    assert reader.fetch(key).source == "origin"
+    assert time.perf_counter() - started >= 1.0
+    assert reader._failures[hanging.url] == 2  # a second failure in a row: down longer
+    assert reader._down[hanging.url] - time.monotonic() > edges_module.DOWN_S * 1.5

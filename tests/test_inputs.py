@@ -40,12 +40,30 @@ def published(model, short_text, tmp_path_factory):
         ({"model": 7}, "model must be a model name or a loaded model"),
         ({"trust": 5}, "trust must be a TrustPolicy or a trust file's path"),
         ({"endpoint_url": 5}, "endpoint_url must be a string"),
+        ({"policy": "greedy"}, "policy must be a planner function like kvcdn.sdk.planner.plan"),
+        ({"predictor": "fast"}, "predictor must be a throughput predictor"),
+        ({"predictor": object()}, "it has no predict_seconds or observe"),
+        ({"cancel_late_fetches": "no"}, "cancel_late_fetches must be True or False, not str"),
+        ({"cancel_late_fetches": 0}, "cancel_late_fetches must be True or False, not int"),
     ],
 )
 def test_load_context_arguments_of_the_wrong_type(published, kwargs, message):
     with pytest.raises((ArgumentError, InputError)) as refused:
         sdk.load_context("guide", **{"store": str(published), **kwargs})
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"blend": "no"}, "blend must be True or False, not str"),
+        ({"recompute_ratio": "all"}, "recompute_ratio must be a number from 0 to 1"),
+        ({"question": 5}, "question must be a string"),
+    ],
+)
+def test_load_contexts_arguments_are_checked_at_the_door(published, kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        sdk.load_contexts(["guide", "guide"], store=str(published), **kwargs)
 
 
 def test_wrong_sources_and_answers(published, model):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +17,11 @@ from kvcdn.errors import (
     FingerprintMismatch,
     FormatError,
     InputError,
-    IntegrityError,
     ModelError,
     NotFound,
 )
 from kvcdn.keys import manifest_key
+from kvcdn.models import kv_from_cache
 from kvcdn.publish import publish
 from kvcdn.store import open_store
 
@@ -137,7 +139,19 @@ def test_republish_unchanged_is_a_no_op_and_a_change_uploads_only_new_chunks(
     assert v2.manifest.version == 2 and len(v2.token_ids) > len(v1.token_ids)
 
 
-def test_corrupted_object_is_named(model, short_text, tmp_path):
+def _recomputed(ctx, model, chunk: int) -> None:
+    """Chunk ``chunk`` of ``ctx`` was recomputed, not decoded: its first layer (which
+    depends on its own tokens only) is the model's own KV, and the deeper ones, which
+    attend to the lossy chunks before it, stay close to a full prefill's."""
+    entry = ctx.manifest.chunks[chunk]
+    loaded = kv_from_cache(ctx.cache)[:, :, :, entry.start : entry.end]
+    exact = model.prefill(ctx.manifest.token_ids)[:, :, :, entry.start : entry.end]
+    assert torch.allclose(loaded[0], exact[0], atol=1e-5, rtol=1e-4)
+    assert ((loaded - exact).norm() / exact.norm()).item() < 0.05
+
+
+def test_a_corrupted_object_is_named_and_its_chunk_recomputed(model, short_text, tmp_path, caplog):
+    """A damaged object is a failed chunk, never wrong KV: recomputed from its tokens."""
     store = tmp_path / "store"
     publish(text=short_text, name="doc", model=model, store=str(store), levels="int8")
     manifest = json.loads((store / manifest_key("doc", 1)).read_text())
@@ -146,8 +160,54 @@ def test_corrupted_object_is_named(model, short_text, tmp_path):
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match=key):
-        sdk.load_context("doc", store=str(store), model=model)
+    ctx = sdk.load_context("doc", store=str(store), model=model)
+    assert ctx.plan.chunk_levels == ["int8", "text", "int8", "int8"]
+    (failed,) = ctx.plan.chunks[1].failed
+    assert failed.startswith("int8: damaged (") and "sha256" in failed
+    assert key in caplog.text  # the log names the object
+    _recomputed(ctx, model, 1)
+
+
+@pytest.mark.parametrize("quality", ["int8", "auto"])
+def test_a_missing_object_is_loaded_another_way(model, short_text, tmp_path, quality):
+    """What a reader meets when gc races it: the chunk comes at another stored level
+    (auto), or is recomputed (a fixed level), and the answer is the same."""
+    store = tmp_path / "store"
+    publish(text=short_text, name="doc", model=model, store=str(store), levels="fp16,int8")
+    manifest = json.loads((store / manifest_key("doc", 1)).read_text())
+    chunks = manifest["chunks"]
+    for level in ("fp16", "int8") if quality == "int8" else ("fp16",):
+        (store / chunks[1]["objects"][level]["key"]).unlink()
+    ctx = sdk.load_context("doc", store=str(store), model=model, quality=quality)
+    report = ctx.plan.chunks[1]
+    if quality == "auto":  # the best level is fp16; the next one stored is int8
+        assert ctx.plan.chunk_levels == ["fp16", "int8", "fp16", "fp16"]
+        assert report.failed == ["fp16: missing from the store"]
+    else:
+        assert ctx.plan.chunk_levels == ["int8", "text", "int8", "int8"]
+        assert report.failed == ["int8: missing from the store"]
+        _recomputed(ctx, model, 1)
+    reference = sdk.load_context("doc", store=str(store), model=model, quality="text")
+    question = "What is sed?"
+    answer = ctx.generate(question, max_new_tokens=8)
+    assert answer.token_ids[0] == reference.generate(question, max_new_tokens=1).token_ids[0]
+
+
+def test_kvcdn_ask_recomputes_a_missing_object_and_says_so(model, short_text, tmp_path):
+    store = tmp_path / "store"
+    publish(text=short_text, name="small", model=model, store=str(store), levels="int8")
+    manifest = json.loads((store / manifest_key("small", 1)).read_text())
+    (store / manifest["chunks"][2]["objects"]["int8"]["key"]).unlink()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcdn.cli.main", "ask", "small", "What is sed?",
+         "--quality", "int8", "--store", str(store), "--max-new-tokens", "4"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "note: chunk 2 recomputed from its text: int8: missing from the store" in (
+        " ".join(done.stderr.split())
+    )
 
 
 def test_unknown_manifest_schema_is_refused(model, short_text, tmp_path):
