@@ -14,7 +14,15 @@ import logging
 from dataclasses import dataclass
 
 from . import keys
-from .errors import FormatError, InputError, IntegrityError, NotFound, RollbackError, TrustError
+from .errors import (
+    FormatError,
+    InputError,
+    IntegrityError,
+    KvcdnError,
+    NotFound,
+    RollbackError,
+    TrustError,
+)
 from .manifest import (
     MAX_MANIFEST_BYTES,
     MAX_POINTER_BYTES,
@@ -125,12 +133,15 @@ def read_manifest(
     if version is not None:
         return _read_version(store, name, version, trust)
     seen = trust.newest_seen(name) if trust is not None else 0
+    # What was not believed on the way: said if a version is found all the same (when
+    # none is, the error raised says why)
+    passed_over: list[str] = []
     try:
         pointer = read_pointer(store, name, trust)
     except (TrustError, FormatError) as exc:
         if trust is None:
             raise
-        log.warning("not using %s's latest pointer: %s", name, exc)
+        passed_over.append(f"its latest pointer ({exc})")
         pointer = None
     failure: Exception | None = None
     if pointer is not None and pointer.version >= seen:
@@ -144,17 +155,27 @@ def read_manifest(
             failure = exc
         if trust is not None:  # a trusted pointer is signed knowledge its version exists
             seen = max(seen, pointer.version)
-    found = newest_readable(store, name, trust, above=max(seen - 1, 0))
+    refused: list[KvcdnError] = []
+    found = newest_readable(store, name, trust, above=max(seen - 1, 0), refused=refused)
     if found is not None:
+        if passed_over or refused:
+            passed_over += [str(exc) for exc in refused]
+            log.warning("loading %s; not used: %s", found.ref, "; ".join(passed_over))
         return found
     if failure is not None:
         raise failure
-    if not versions(store, name):
+    listed = versions(store, name)
+    if not listed:
         raise NotFound(f"no document named '{name}' in {store.url}")
     assert trust is not None  # without trust the walk raises what it could not read
+    if refused:  # versions as new as any seen are there, and none verifies: say why
+        newest = refused[0]
+        raise type(newest)(
+            f"{store.url} offers no version of {name} this reader accepts; the newest: {newest}"
+        )
     raise RollbackError(
         f"this reader has already seen {name}@{seen}, and {store.url} offers no version as "
-        "new that verifies: the store was rolled back"
+        f"new (the newest is {name}@{listed[-1]}): the store was rolled back"
     )
 
 
@@ -165,13 +186,15 @@ def newest_readable(
     *,
     above: int = 0,
     skip: bool | None = None,
+    refused: list[KvcdnError] | None = None,
 ) -> Manifest | None:
     """The newest listed version above ``above`` whose manifest reads (with ``trust``:
     verifies), trying at most :data:`WALK` of them; None when there is none.
 
     Versions that cannot be read or verified are skipped when ``skip`` (by
-    default, with ``trust``). Without ``trust`` a reader that believes the store
-    is told when it is damaged: the first such version is an error.
+    default, with ``trust``), each one's error added to ``refused`` (newest
+    first). Without ``trust`` a reader that believes the store is told when it
+    is damaged: the first such version is an error.
     """
     skip = trust is not None if skip is None else skip
     candidates = [v for v in versions(store, name) if v > above][::-1][:WALK]
@@ -183,7 +206,10 @@ def newest_readable(
         except (TrustError, FormatError) as exc:
             if not skip:
                 raise
-            log.warning("skipping %s@%d: %s", name, version, exc)
+            if refused is not None:  # the caller reports it
+                refused.append(exc)
+            else:
+                log.warning("skipping %s@%d: %s", name, version, exc)
     return None
 
 
@@ -252,6 +278,31 @@ def list_documents(
     if name is not None and versions_of:
         found.append(DocumentSummary(name, sorted(versions_of), max(versions_of)))
     return found
+
+
+#: Latest pointers read at once by :func:`pointed_versions` (small GETs).
+POINTER_READS = 16
+
+
+def pointed_versions(store: Reader, names: list[str]) -> dict[str, int | None]:
+    """The version each document's ``latest.json`` names (what a reader without trust
+    keys loads), read :data:`POINTER_READS` at a time; None for a document without a
+    readable pointer (a reader then takes the newest version that reads). A version
+    key planted in the listing does not become the latest by being the highest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> int | None:
+        try:
+            pointer = read_pointer(store, name)
+        except (FormatError, TrustError, IntegrityError) as exc:
+            log.warning("%s's latest pointer cannot be read: %s", name, exc)
+            return None
+        return None if pointer is None else pointer.version
+
+    if not names:
+        return {}
+    with ThreadPoolExecutor(min(POINTER_READS, len(names))) as pool:
+        return dict(zip(names, pool.map(one, names), strict=True))
 
 
 def index_keys(manifest: Manifest) -> list[str]:

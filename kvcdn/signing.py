@@ -49,6 +49,7 @@ PROFILE_POINTER_TYPE = "application/vnd.kvcdn.codec_profile-pointer+json"
 MAX_SIGNATURES = 16
 MAX_TRUST_FILE_BYTES = 1 << 20
 MAX_KEY_FILE_BYTES = 64 << 10
+MAX_STATE_BYTES = 64 << 20  # a reader's record of the versions it has seen
 
 
 # ---- keys ------------------------------------------------------------------------
@@ -293,17 +294,36 @@ def open_document(
     if trust is not None:
         signer = trust.signer_of(signatures, message)
         if signer is None:
-            raise TrustError(
-                f"{what} is not signed by a trusted key (signed by "
-                f"{', '.join(k.id for k, _ in signatures) or 'no key'}; trusted: "
-                f"{trust.describe()})"
-            )
+            _why_untrusted(what, signatures, message, trust)
     else:
         valid = [k for k, sig in signatures if k.verifies(sig, message)]
         if not valid:
             raise IntegrityError(f"{what}: its signature does not verify (altered after signing)")
         signer = Signer(valid[0], trusted=False)
     return loads(payload, what=what, max_bytes=max_bytes), signer
+
+
+def _why_untrusted(
+    what: str, signatures: list[tuple[PublicKey, bytes]], message: bytes, trust: TrustPolicy
+) -> None:
+    """Raise the reason no signature of a document verifies under a trusted key:
+    one by a trusted key that does not cover these bytes (they were altered), one
+    by a key that is not trusted, or none that verifies at all."""
+    ids = ", ".join(k.id for k, _ in signatures) or "no key"
+    trusted = [k for k, _ in signatures if k.raw in trust.keys]
+    if trusted:
+        raise IntegrityError(
+            f"{what}: its signature by the trusted key {trusted[0].describe()} does not "
+            "verify: it was altered after signing"
+        )
+    if not any(k.verifies(sig, message) for k, sig in signatures):
+        raise IntegrityError(
+            f"{what}: its signature does not verify (altered after signing), and its key "
+            f"({ids}) is not trusted either"
+        )
+    raise TrustError(
+        f"{what} is not signed by a trusted key (signed by {ids}; trusted: {trust.describe()})"
+    )
 
 
 def _parse_envelope(raw: dict[str, Any], what: str) -> tuple[str, bytes, list]:
@@ -407,22 +427,32 @@ class TrustPolicy:
             )
 
     def _load_state(self) -> None:
-        if self.state_path is None or not self.state_path.is_file():
+        """Merge the state file's records into this process's. A damaged file is
+        refused (:class:`TrustError`), never ignored: ignoring it would reset
+        rollback protection without anyone deciding to."""
+        if self.state_path is None or not self.state_path.exists():
             return
         try:
-            raw = loads(read_bounded(self.state_path, 64 << 20, "rollback state"),
-                        what=str(self.state_path), max_bytes=64 << 20)  # fmt: skip
+            raw = loads(read_bounded(self.state_path, MAX_STATE_BYTES, "rollback state"),
+                        what=str(self.state_path), max_bytes=MAX_STATE_BYTES)  # fmt: skip
+            if not isinstance(raw, dict) or not all(
+                isinstance(name, str) and type(v) is int and v > 0 for name, v in raw.items()
+            ):
+                raise FormatError("not a map of document names to versions")
         except (InputError, FormatError) as exc:
-            log.warning("ignoring unreadable rollback state %s: %s", self.state_path, exc)
-            return
-        if not isinstance(raw, dict):
-            return
+            raise TrustError(
+                f"the record of the versions this reader has seen, {self.state_path}, is "
+                f"damaged ({exc}); rollback protection cannot hold without it. Restore it, "
+                "or delete it to start a new record (this reader then accepts any version "
+                "it has not seen since)"
+            ) from None
         for name, version in raw.items():
-            if type(version) is int and version > self._seen.get(name, 0):
+            if version > self._seen.get(name, 0):
                 self._seen[name] = version
 
     def _save_state(self, name: str, version: int) -> None:
-        """Merge one record into the state file, under a lock (other processes write too)."""
+        """Merge one record into the state file, under a lock (other processes write too),
+        atomically and durably: a crash leaves the old record or the new, whole."""
         if self.state_path is None:
             return
         try:
@@ -432,7 +462,10 @@ class TrustPolicy:
                 self._load_state()
                 self._seen[name] = max(self._seen.get(name, 0), version)
                 tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
-                tmp.write_text(json.dumps(self._seen, sort_keys=True))
+                with open(tmp, "w") as f:
+                    f.write(json.dumps(self._seen, sort_keys=True))
+                    f.flush()
+                    os.fsync(f.fileno())
                 os.replace(tmp, self.state_path)
         except OSError as exc:  # the check still holds for this process
             log.warning("cannot record seen versions in %s: %s", self.state_path, exc)

@@ -12,9 +12,11 @@ import pytest
 
 from kvcdn import sdk
 from kvcdn.catalog import versions
+from kvcdn.check import check_store
 from kvcdn.codec_profile import LADDER
 from kvcdn.publish import publish
 from kvcdn.store import open_store
+from tests.cli_json import parsed
 from tests.conftest import s3_target
 
 KILLER = textwrap.dedent(
@@ -75,6 +77,16 @@ def test_killed_publish_keeps_the_previous_version_and_resumes(model, short_text
     after_crash = _objects(store)
     leftovers = set(after_crash) - set(before)
     assert len(leftovers) >= 2  # the crash came after several objects were stored
+    # `kvcdn check`: the store is intact; what the crash left is orphaned, nothing more
+    checked = subprocess.run(
+        [sys.executable, "-m", "kvcdn.cli.main", "check", "--store", url, "--json",
+         *(["--endpoint-url", endpoint] if endpoint else [])],
+        capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stderr
+    report = parsed("check", checked.stdout)
+    assert report["ok"] and report["problems"] == []
+    assert set(report["orphans"]) == leftovers
 
     v2 = publish(doc, model=model, store=store)
     assert v2.version == 2
@@ -87,3 +99,5 @@ def test_killed_publish_keeps_the_previous_version_and_resumes(model, short_text
     assert v2.reused_objects >= len(leftovers) + len(LADDER)
     assert versions(store, "guide") == [1, 2]
     assert sdk.load_context("guide", store=store, model=model).manifest.version == 2
+    report = check_store(store)
+    assert report.ok and report.orphans == []  # the new version names the leftovers

@@ -96,9 +96,12 @@ def test_forged_object_with_a_recomputed_manifest_hash(attacked, model):
     path.write_text(json.dumps(manifest))  # unsigned now: the attacker has no key
     with pytest.raises(TrustError):
         sdk.load_context("victim@2", model=model, store=str(root), trust=TrustPolicy([key.public]))
-    # Unsigned readers still catch the object: its header names another chunk.
-    with pytest.raises(FormatError):
-        sdk.load_context("victim@2", model=model, store=str(root), quality=LEVEL)
+    # Unsigned readers still catch the object: its header names another chunk. Like any
+    # object that cannot be used, its chunk is recomputed from the manifest's tokens.
+    ctx = sdk.load_context("victim@2", model=model, store=str(root), quality=LEVEL)
+    assert ctx.plan.chunk_levels[1] == "text"
+    (failed,) = ctx.plan.chunks[1].failed
+    assert failed.startswith(f"{LEVEL}: damaged (") and "holds another chunk" in failed
 
 
 def test_rewritten_source_index_entry(attacked, model, tmp_path):
@@ -157,6 +160,7 @@ def test_cli_remembers_the_newest_version_across_runs(attacked, tmp_path):
         (lambda m: m["kv_layout"].update(layers=3000), "kv_layout.layers"),
         (lambda m: m["kv_layout"].update(layers=29), "describes KV of 29 layers"),
         (lambda m: m["kv_layout"].update(dtype="complex64"), "kv_layout.dtype"),
+        (lambda m: m["kv_layout"].update(dtype="float16"), "says its KV was computed in float16"),
         (
             lambda m: m["chunks"][0]["objects"]["int8"].update(key="../../../../etc/passwd"),
             "is not the key of this chunk",
@@ -174,7 +178,7 @@ def test_unsigned_manifests_that_would_hurt_are_refused_before_use(
     with pytest.raises(FormatError, match=message):
         sdk.load_context("victim@2", model=model, store=str(root), quality=LEVEL)
     result = _cli("inspect", "victim@2", "--store", str(root), env_home=tmp_path)
-    if "describes KV" not in message:  # inspect has no model to compare the layout with
+    if "KV" not in message:  # inspect has no model to compare the layout with
         _one_line(result, 5, message.split(".")[0])
 
 
@@ -229,3 +233,68 @@ def test_a_damaged_profile_in_the_store_is_replaced(profile, tmp_path):
     (tmp_path / "store" / key).write_bytes(b"not a profile")
     ref = publish_profile(store, profile)
     assert store.get(ref.key) == profile.to_bytes()
+
+
+def test_a_fresh_reader_with_trust_is_told_an_unsigned_store_is_unsigned(model, short_text,
+                                                                          tmp_path):  # fmt: skip
+    """Not "already seen ... rolled back": it has seen nothing."""
+    from kvcdn.signing import SigningKey
+
+    store = open_store(str(tmp_path / "store"))
+    publish(text=short_text, name="plain", model=model, store=store, levels=LEVEL)
+    key = SigningKey.generate("publisher")
+    key.save(tmp_path / "publisher.key")
+    with pytest.raises(TrustError, match="is not signed") as refused:
+        read_manifest(store, "plain", trust=TrustPolicy([key.public]))
+    assert not isinstance(refused.value, RollbackError)
+    assert "already seen" not in str(refused.value)
+    result = _cli("inspect", "plain", "--store", str(store.root), "--trust",
+                  str(tmp_path / "publisher.key.pub"), env_home=tmp_path / "home")  # fmt: skip
+    _one_line(result, 6, "is not signed")
+
+
+def test_a_payload_altered_after_signing_is_named_so_with_and_without_trust(attacked, model,
+                                                                            tmp_path):  # fmt: skip
+    root, key, trust_file, _ = attacked
+    path = root / manifest_key("victim", 2)
+    envelope = json.loads(path.read_bytes())
+    document = json.loads(base64.b64decode(envelope["payload"]))
+    document["created_at"] = "1970-01-01T00:00:00+00:00"  # any edit: the signature breaks
+    envelope["payload"] = base64.b64encode(json.dumps(document).encode()).decode()
+    path.write_text(json.dumps(envelope))
+    store = open_store(str(root))
+    with pytest.raises(IntegrityError, match="altered after signing") as trusted:
+        read_manifest(store, "victim", 2, trust=TrustPolicy([key.public]))
+    assert f"trusted key {key.public.id}" in str(trusted.value)
+    with pytest.raises(IntegrityError, match="altered after signing"):
+        read_manifest(store, "victim", 2)
+    result = _cli("inspect", "victim@2", "--store", str(root), "--trust", str(trust_file),
+                  env_home=tmp_path)  # fmt: skip
+    _one_line(result, 5, "altered after signing")
+
+
+def test_a_damaged_record_of_seen_versions_is_refused_not_reset(attacked, tmp_path):
+    root, _, trust_file, _ = attacked
+    home = tmp_path / "home"
+    args = ("inspect", "victim", "--store", str(root), "--trust", str(trust_file), "--json")
+    assert _cli(*args, env_home=home).returncode == 0  # seen: victim@2, recorded
+    (state,) = (home / "kvcdn" / "seen").glob("*.json")
+    state.write_text('{"victim": ')  # a torn or tampered record
+    _one_line(_cli(*args, env_home=home), 6, f"{state}, is damaged")
+    state.unlink()  # the operator starts a new record
+    done = _cli(*args, env_home=home)
+    assert done.returncode == 0 and parsed("inspect", done.stdout)["version"] == 2
+    assert json.loads(state.read_text()) == {"victim": 2}  # recorded again
+
+
+def test_ls_shows_the_version_the_pointer_names_not_a_planted_one(attacked, tmp_path):
+    root, _, _, _ = attacked
+    (root / manifest_key("victim", 999_999_999_999)).write_bytes(b"planted by the attacker")
+    done = _cli("ls", "--store", str(root), "--json", env_home=tmp_path)
+    assert done.returncode == 0, done.stderr
+    victim = next(d for d in parsed("ls", done.stdout) if d["name"] == "victim")
+    assert victim["versions"] == [1, 2, 999_999_999_999] and victim["latest"] == 2
+    (root / latest_key("victim")).unlink()
+    done = _cli("ls", "--store", str(root), "--json", env_home=tmp_path)
+    victim = next(d for d in parsed("ls", done.stdout) if d["name"] == "victim")
+    assert victim["latest"] is None  # no pointer: readers take the newest that reads
