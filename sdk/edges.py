@@ -277,6 +277,10 @@ class EdgeStore:
                     timeout=timeout,
                 )  # fmt: skip
             except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
+                if cancel is not None and cancel.deadline_passed():
+                    self._mark_down(edge)  # no answer by the read's deadline: skipped a while
+                    self._release_probes(tried[i + 1 :])
+                    raise DeadlineExceeded(f"{key}: {edge} did not answer in time") from None
                 if cancel is not None and cancel.is_set():
                     self._release_probes(tried[i:])
                     raise FetchCancelled from None  # our own shutdown of the socket
@@ -297,6 +301,10 @@ class EdgeStore:
                     self._release_probes(tried[i + 1 :])
                     raise
                 except (urllib3.exceptions.HTTPError, OSError) as exc:
+                    if cancel is not None and cancel.deadline_passed():
+                        self._mark_down(edge)
+                        self._release_probes(tried[i + 1 :])
+                        raise DeadlineExceeded(f"{key}: {edge} did not send it in time") from None
                     if cancel is not None and cancel.is_set():
                         self._release_probes(tried[i + 1 :])
                         raise FetchCancelled from None

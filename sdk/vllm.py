@@ -17,12 +17,23 @@ size, are claimed. The worker (vLLM's model process) fetches those chunks
 through the SDK's loader (edges with failover, every object verified against its
 manifest before it is decoded) and decodes them into the blocks vLLM allocated,
 in vLLM's layout. A chunk
-that fails, or that is not in by ``deadline_s``, ends the load: its blocks and
+that fails, or that is not in by the load's deadline, ends the load: its blocks and
 all after it are reported to vLLM as failed, and vLLM recomputes them
 (``kv_load_failure_policy`` ``recompute``). Nothing unverified is written, so
 nothing wrong enters vLLM's prefix cache. kvcdn never makes the engine fail:
 anything unexpected in the connector is logged and the request is computed by
 vLLM.
+
+A load never makes a request much slower than vLLM without kvcdn. Its deadline
+is ``deadline_s`` (or the request's ``kvcdn_deadline_s``), else a budget: what
+vLLM's own prefill of the claimed tokens is predicted to take, from its forward
+passes as the workers measure them (:data:`PRIOR_PREFILL_TOKENS_PER_S` before
+the first), and at least :data:`MIN_LOAD_BUDGET_S`. Every read is given up at
+that deadline (:class:`~kvcdn.sdk.bounded.BoundedReader`: a hung mount or an
+endpoint that never answers holds a thread, not the load), an edge that fails is
+skipped for a while (the edge reader's circuit breaker), and a lookup the store
+does not answer in ``lookup_timeout_s`` pauses lookups for
+:data:`LOOKUP_PAUSE_S`, so later requests do not wait for it.
 
 Two ways to load (``load_mode``). *async*: the request waits in
 ``WAITING_FOR_REMOTE_KVS`` while the load runs beside the engine, which keeps
@@ -42,6 +53,7 @@ when its prefill completes, to ``{capture_dir}/{ID}.safetensors``;
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -49,6 +61,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvcdn.errors import KvcdnError
@@ -71,6 +85,7 @@ from kvcdn.profile_store import ProfileCache
 from kvcdn.signing import TrustPolicy
 
 from . import checks
+from .bounded import deadline_in
 from .loader import AUTO, load_prefix_into, open_reader
 from .planner import HarmonicPredictor, plan
 
@@ -103,6 +118,16 @@ MAX_LOOKUPS = 4096
 #: to finish: vLLM otherwise spins such steps, and its spinning thread starves the load's
 #: threads of the GIL (a 0.1 s load took 10 s in an engine without multiprocessing).
 IDLE_STEP_WAIT_S = 0.005
+#: vLLM's prefill speed assumed until the workers have timed a forward pass (a 135M
+#: model prefills about 2,700 tokens a second on 2 CPUs; larger models on GPUs more).
+PRIOR_PREFILL_TOKENS_PER_S = 1000.0
+#: A load's budget is at least this: a healthy store answers well within it.
+MIN_LOAD_BUDGET_S = 0.25
+#: Forward passes of at least this many tokens are timed for the budget.
+MIN_TIMED_TOKENS = 128
+#: After a lookup the store did not answer in time, requests are not looked up
+#: (vLLM computes them at once) for this long; then one lookup tries again.
+LOOKUP_PAUSE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -192,6 +217,21 @@ class KvcdnMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     captures: list[CaptureSpec] = field(default_factory=list)
     idle: bool = False  # the step runs no model
+    scheduled_tokens: int = 0  # tokens the step computes (its forward pass is timed)
+
+
+@dataclass
+class KvcdnWorkerMeta(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler: vLLM's prefill speed as they time it, and why
+    a worker cannot load (the scheduler then claims nothing)."""
+
+    seconds_per_token: float | None = None
+    disabled: str | None = None
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvcdnWorkerMeta)
+        speeds = [s for s in (self.seconds_per_token, other.seconds_per_token) if s]
+        return KvcdnWorkerMeta(max(speeds, default=None), self.disabled or other.disabled)
 
 
 @dataclass
@@ -226,6 +266,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         self.block_size = vllm_config.cache_config.block_size
         self.loads_enabled = bool(transfer.is_kv_consumer)
@@ -248,6 +289,15 @@ class KvcdnConnector(KVConnectorBase_V1):
                     "kvcdn: kv_load_failure_policy is %r; with 'recompute' vLLM recomputes a "
                     "chunk kvcdn cannot load instead of failing the request",
                     transfer.kv_load_failure_policy,
+                )
+            parallel = vllm_config.parallel_config
+            split = [f"{what}={n}" for what, n in (
+                ("tensor_parallel_size", parallel.tensor_parallel_size),
+                ("pipeline_parallel_size", parallel.pipeline_parallel_size)) if n > 1]  # fmt: skip
+            if split:
+                raise KvcdnError(
+                    f"vLLM runs with {' and '.join(split)}: each worker holds part of the "
+                    "model's KV, which kvcdn does not load yet; vLLM computes every request"
                 )
         except Exception as exc:  # the engine runs on without kvcdn, and says why
             log.error("kvcdn connector disabled: %s", exc)
@@ -276,6 +326,10 @@ class KvcdnConnector(KVConnectorBase_V1):
             self._outcomes: dict[str, dict[str, Any]] = {}  # what each load did
             self._captures: dict[str, _Capture] = {}
             self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-lookup")
+            self._lookups_paused_until = 0.0
+            self._seconds_per_token: float | None = None  # vLLM's prefill, as workers time it
+            if self.identity is not None and self.loads_enabled:  # not on a lookup's clock
+                threading.Thread(target=self._open_reader, name="kvcdn-open", daemon=True).start()
         else:
             self._writer: _PagedLayout | None = None
             self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-load")
@@ -285,6 +339,9 @@ class KvcdnConnector(KVConnectorBase_V1):
             self._failed_now: set[int] = set()
             self._profiles = ProfileCache()
             self._predictor = HarmonicPredictor()
+            self._prefill = _PrefillTimer()
+            self._disabled: str | None = None  # told to the scheduler once
+            self._told: tuple[float | None, str | None] = (None, None)
 
     def reader(self) -> Any:
         with self._reader_lock:
@@ -329,15 +386,21 @@ class KvcdnConnector(KVConnectorBase_V1):
         now = time.monotonic()
         waited = self._asked.get(request.request_id)
         if waited is None:
+            if now < self._lookups_paused_until:
+                return 0, False  # the store did not answer lately: no request waits for it
             lookup = self._lookup_of(chain_hash(self.identity.fingerprint, "", ids[:chunk]), now)
             waited = self._asked[request.request_id] = (lookup, now)
         lookup, asked = waited
         if not lookup.future.done():
             if now - asked < self.config.lookup_timeout_s:
                 return None, False  # vLLM asks again at its next step
-            log.info("kvcdn: request %s did not wait longer for the document lookup",
-                     request.request_id)  # fmt: skip
             self._asked.pop(request.request_id, None)
+            if now >= self._lookups_paused_until:
+                log.warning("kvcdn: %s did not answer a document lookup in %g s; requests are "
+                            "computed by vLLM without waiting for it for %g s",
+                            self.config.store or "the store", self.config.lookup_timeout_s,
+                            LOOKUP_PAUSE_S)  # fmt: skip
+            self._lookups_paused_until = now + LOOKUP_PAUSE_S
             return 0, False
         self._asked.pop(request.request_id, None)
         try:
@@ -360,8 +423,16 @@ class KvcdnConnector(KVConnectorBase_V1):
         end = min(shared, len(ids) - 1) // self.block_size * self.block_size
         if end <= num_computed:
             return 0, False
+        if deadline_s is None:
+            deadline_s = self._budget(end - num_computed)
         self._matches[req_id] = _Match(manifest, num_computed, end, quality, deadline_s, sync)
         return end - num_computed, not sync
+
+    def _budget(self, tokens: int) -> float:
+        """A load's deadline when none is configured: what vLLM's own prefill of
+        ``tokens`` is predicted to take (the module's documentation)."""
+        per_token = self._seconds_per_token or 1.0 / PRIOR_PREFILL_TOKENS_PER_S
+        return max(MIN_LOAD_BUDGET_S, tokens * per_token)
 
     def _loads_sync(self, asked: Any, req_id: str) -> bool:
         """Whether this request's load is synchronous: where the connector's own choice
@@ -371,7 +442,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             from kvcdn.store import LocalStore
 
             mode = self.config.load_mode
-            local = mode == "auto" and isinstance(self.reader(), LocalStore)
+            local = mode == "auto" and isinstance(self.reader().inner, LocalStore)
             self._sync_default = self._sync_possible and (mode == "sync" or local)
         if asked is not None and asked not in LOAD_MODES:
             log.info("kvcdn: request %s: ignoring %s=%r", req_id, LOAD_MODE_PARAM, asked)
@@ -403,8 +474,9 @@ class KvcdnConnector(KVConnectorBase_V1):
         from .loader import check_against_model
 
         assert self.identity is not None
+        reader = self.reader().within(deadline_in(self.config.lookup_timeout_s))
         manifest = catalog.find_by_prefix(
-            self.reader(), self.identity.fingerprint, first_chunk_hash, trust=self._trust
+            reader, self.identity.fingerprint, first_chunk_hash, trust=self._trust
         )
         if manifest is None:
             return None
@@ -450,8 +522,9 @@ class KvcdnConnector(KVConnectorBase_V1):
         return _Capture(tokens, str(Path(self.config.capture_dir) / f"{capture_id}.safetensors"))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvcdnMetadata(loads=self._pending_loads,
-                             idle=scheduler_output.total_num_scheduled_tokens == 0)  # fmt: skip
+        scheduled = scheduler_output.total_num_scheduled_tokens
+        meta = KvcdnMetadata(loads=self._pending_loads, idle=scheduled == 0,
+                             scheduled_tokens=scheduled)  # fmt: skip
         for spec in self._pending_loads:
             (self._sync_sent if spec.sync else self._loading)[spec.req_id] = spec
         self._pending_loads = []
@@ -479,6 +552,14 @@ class KvcdnConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        told = connector_output.kv_connector_worker_meta
+        if isinstance(told, KvcdnWorkerMeta):
+            if told.seconds_per_token:
+                self._seconds_per_token = told.seconds_per_token
+            if told.disabled and self.identity is not None:
+                log.error("kvcdn connector disabled: a worker cannot load (%s); vLLM computes "
+                          "every request", told.disabled)  # fmt: skip
+                self.identity = None
         failed = connector_output.invalid_block_ids or set()
         # a synchronous load ends within its step, whose failed blocks come in this
         # output (synchronous loads are made only where vLLM reports each step's
@@ -505,6 +586,7 @@ class KvcdnConnector(KVConnectorBase_V1):
             "mode": "sync" if spec.sync else "async",
             "claimed_tokens": spec.end - spec.start,
             "loaded_tokens": loaded_to - spec.start,
+            "deadline_s": spec.deadline_s,
         }
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -532,10 +614,26 @@ class KvcdnConnector(KVConnectorBase_V1):
         except Exception as exc:
             log.error("kvcdn connector disabled: %s", exc)
             self.identity = None
+            self._disabled = str(exc)  # the scheduler stops claiming when it hears
             return
-        # the decode kernels load now, not on the first request's clock
+        # The decode kernels load, and the store opens, now: not on a request's clock.
+        # The kernels in a thread Python joins at exit (a daemon thread inside torch
+        # code at exit aborts the process); the store in a daemon thread.
         threading.Thread(target=_warm_up, args=(self._writer, self.identity.layout.head_dim),
-                         name="kvcdn-warm-up", daemon=True).start()  # fmt: skip
+                         name="kvcdn-warm-up").start()  # fmt: skip
+        threading.Thread(target=self._open_reader, name="kvcdn-open", daemon=True).start()
+
+    def _open_reader(self) -> None:
+        try:
+            self.reader()
+        except Exception as exc:  # the first load meets it, and says so
+            log.warning("kvcdn: cannot open %s yet: %s", self.config.store, exc)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # called before the step's forward pass: timed until get_finished, after it
+        tokens = getattr(connector_metadata, "scheduled_tokens", 0)
+        self._prefill.start(tokens)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -544,7 +642,8 @@ class KvcdnConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvcdnMetadata)
         for spec in meta.loads:
             if spec.sync:  # vLLM reads its failed blocks after this step's forward
-                self._failed_now |= self._load(spec)
+                with self._prefill.paused():
+                    self._failed_now |= self._load(spec)
             elif self._writer is None:
                 self._finish(spec.req_id, unfilled_blocks(spec.block_ids, spec.start, spec.end,
                                                           spec.start, self.block_size))  # fmt: skip
@@ -620,6 +719,7 @@ class KvcdnConnector(KVConnectorBase_V1):
         idle = self.has_connector_metadata() and getattr(
             self._get_connector_metadata(), "idle", False
         )
+        self._prefill.stop()
         with self._done_lock:
             if idle and self._in_flight and not self._done:
                 self._done_lock.wait(IDLE_STEP_WAIT_S)
@@ -632,10 +732,68 @@ class KvcdnConnector(KVConnectorBase_V1):
         failed, self._failed_now = self._failed_now, set()
         return failed
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """vLLM's prefill speed when it changed, and why this worker cannot load."""
+        if not hasattr(self, "_prefill"):
+            return None  # the scheduler's instance
+        news = (self._prefill.seconds_per_token, self._disabled)
+        if news == self._told:
+            return None
+        self._told = news
+        return KvcdnWorkerMeta(*news)
+
     def shutdown(self) -> None:
         pool = getattr(self, "_load_pool", None) or getattr(self, "_lookup_pool", None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _PrefillTimer:
+    """vLLM's forward passes, timed on the worker from ``bind_connector_metadata`` (before
+    the forward) to ``get_finished`` (after it), less the synchronous loads between:
+    the seconds a token of prefill takes, a moving average of passes of at least
+    :data:`MIN_TIMED_TOKENS` tokens (on a GPU, the host's view of them)."""
+
+    def __init__(self) -> None:
+        self.seconds_per_token: float | None = None
+        self._started: float | None = None
+        self._tokens = 0
+        self._excluded = 0.0
+
+    def start(self, tokens: int) -> None:
+        self._started, self._tokens, self._excluded = time.perf_counter(), tokens, 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded += time.perf_counter() - t
+
+    def stop(self) -> None:
+        if self._started is None or self._tokens < MIN_TIMED_TOKENS:
+            self._started = None
+            return
+        sample = (time.perf_counter() - self._started - self._excluded) / self._tokens
+        self._started = None
+        if sample <= 0:
+            return
+        old = self.seconds_per_token
+        self.seconds_per_token = sample if old is None else 0.7 * old + 0.3 * sample
+
+
+def _log_like_vllm() -> None:
+    """kvcdn's log lines inside vLLM, with the level, time and process tag of vLLM's own:
+    kvcdn's logger writes through vLLM's handlers, at its level, unless someone gave it
+    handlers of its own."""
+    ours, theirs = logging.getLogger("kvcdn"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False  # vLLM's own lines do not reach the root logger either
 
 
 def _warm_up(layout: _PagedLayout, dim: int) -> None:

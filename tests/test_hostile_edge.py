@@ -239,3 +239,22 @@ def test_a_failing_edge_is_skipped_for_a_while_then_probed(signed, hanging, tmp_
     assert time.perf_counter() - started >= 1.0
     assert reader._failures[hanging.url] == 2  # a second failure in a row: down longer
     assert reader._down[hanging.url] - time.monotonic() > edges_module.DOWN_S * 1.5
+
+
+def test_an_edge_that_misses_a_reads_deadline_is_skipped_too(signed, hanging):
+    """A read given up at its deadline (what an engine's budget does) counts as the edge's
+    failure: the next reads do not wait for it again."""
+    from kvcdn.sdk.bounded import BoundedReader
+    from kvcdn.store import Cancel, open_store
+
+    root = signed[0]
+    key = next(p for p in sorted((root / "objects").rglob("*.kvc"))).relative_to(root).as_posix()
+    reader = BoundedReader(EdgeStore([hanging.url], open_store(str(root))))
+    started = time.perf_counter()
+    with pytest.raises(DeadlineExceeded):
+        reader.fetch(key, cancel=Cancel(deadline=time.monotonic() + 1.0))
+    assert time.perf_counter() - started < 1.5
+    time.sleep(0.3)  # the abandoned read's own timeout fires at the deadline too
+    started = time.perf_counter()
+    got = reader.fetch(key, cancel=Cancel(deadline=time.monotonic() + 1.0))
+    assert got.source == "origin" and time.perf_counter() - started < 0.5

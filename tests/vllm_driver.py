@@ -7,8 +7,10 @@ each reply is one line on stdout starting with ``REPLY`` (vLLM's own logging
 goes to stderr and stdout too).
 
 Usage: ``python tests/vllm_driver.py CONFIG_JSON`` where the config names the
-model folder, the connector's ``kv_connector_extra_config`` and the capture
-folder.
+model folder, the connector's ``kv_connector_extra_config``, the capture folder
+and, optionally, ``tensor_parallel_size``. A request may bring ``beside``: more
+prompts (kvcdn kept out of them) scheduled with it in one batch; their
+replies come in ``beside``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
         max_model_len=8192,
         enable_prefix_caching=True,
         seed=0,
+        tensor_parallel_size=config.get("tensor_parallel_size", 1),
     )
     reply({"ready": True, "seconds": time.perf_counter() - started})
     for line in sys.stdin:
@@ -53,25 +56,33 @@ def main() -> None:
             logprobs=ask.get("logprobs", 20),
             extra_args={"kv_transfer_params": params} if params else None,
         )
+        plain = SamplingParams(
+            max_tokens=ask.get("max_tokens", 32), temperature=0.0, logprobs=ask.get("logprobs", 20),
+            extra_args={"kv_transfer_params": {"kvcdn_load": False}},
+        )  # fmt: skip
+        beside = ask.get("beside") or []
+        prompts = [{"prompt_token_ids": ids} for ids in [ask["prompt_ids"], *beside]]
         t = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ask["prompt_ids"]}], sampling, use_tqdm=False)[0]
+        outs = llm.generate(prompts, [sampling] + [plain] * len(beside), use_tqdm=False)
         seconds = time.perf_counter() - t
-        completion = out.outputs[0]
-        first = completion.logprobs[0] if completion.logprobs else {}
-        reply(
-            {
-                "token_ids": list(completion.token_ids),
-                "text": completion.text,
-                "num_cached_tokens": out.num_cached_tokens,
-                "seconds": seconds,
-                # the first answer token's top logprobs (token id -> logprob)
-                "first_logprobs": {
-                    str(k): v.logprob for k, v in first.items() if math.isfinite(v.logprob)
-                },
-                "capture": params.get(CAPTURE_PARAM),
-                "kv_transfer_params": out.kv_transfer_params,
-            }
-        )
+        answer = described(outs[0], seconds)
+        answer["capture"] = params.get(CAPTURE_PARAM)
+        answer["beside"] = [described(o, seconds) for o in outs[1:]]
+        reply(answer)
+
+
+def described(out, seconds: float) -> dict:
+    completion = out.outputs[0]
+    first = completion.logprobs[0] if completion.logprobs else {}
+    return {
+        "token_ids": list(completion.token_ids),
+        "text": completion.text,
+        "num_cached_tokens": out.num_cached_tokens,
+        "seconds": seconds,  # the whole batch's
+        # the first answer token's top logprobs (token id -> logprob)
+        "first_logprobs": {str(k): v.logprob for k, v in first.items() if math.isfinite(v.logprob)},
+        "kv_transfer_params": out.kv_transfer_params,
+    }
 
 
 def reply(obj: dict) -> None:
