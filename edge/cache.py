@@ -110,10 +110,11 @@ class Spool:
         self._placed = False  # renamed into the cache or removed
         # a store origin's thread may still be writing when its fetch is given up
         self._lock = threading.Lock()
-        self._memory: bytearray | None = None
+        self._memory: bytearray | bytes | None = None
         self._fd: int | None = None
         digest = _digest(key)
-        self.path = cache.root / "objects" / digest[:2] / f".{digest}.spool.{next(_spools)}"
+        name = f".{digest}.spool.{os.getpid()}.{next(_spools)}"
+        self.path = cache.root / "objects" / digest[:2] / name
         if cache.read_only:
             self._memory = bytearray()
             return
@@ -171,10 +172,16 @@ class Spool:
 
     def source(self) -> tuple[BinaryIO | None, bytes]:
         """What a reader sends: a handle of its own on the spooled file (a duplicate
-        descriptor, to be read with explicit offsets), or the bytes held in memory."""
-        if self._fd is not None:
-            return os.fdopen(os.dup(self._fd), "rb"), b""
-        return None, bytes(self._memory or b"")
+        descriptor, to be read with explicit offsets), or the bytes held in memory (one
+        copy, shared by every reader)."""
+        with self._lock:
+            if self._fd is not None:
+                return os.fdopen(os.dup(self._fd), "rb"), b""
+            if self._memory is None:
+                raise RuntimeError(f"the spool of {self.key} was discarded")
+            if not isinstance(self._memory, bytes):
+                self._memory = bytes(self._memory)  # finished: frozen once, then shared
+            return None, self._memory
 
     def discard(self) -> None:
         """Remove the file unless the cache took it, and close this spool's own handle.

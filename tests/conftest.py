@@ -19,6 +19,9 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["KVCDN_STORE"] = str(tmp_path_factory.mktemp("default-store"))
     # A fresh profile cache: the suite calibrates the embedded model itself, once.
     os.environ["KVCDN_PROFILE_CACHE"] = str(tmp_path_factory.mktemp("profiles"))
+    # ... and measures this device itself, once: speeds measured by another process
+    # (on a machine that was busy then) must not steer the planner's tests.
+    os.environ["KVCDN_SPEED_CACHE"] = str(tmp_path_factory.mktemp("speeds") / "device-speed.json")
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "kvcdn-test")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "kvcdn-test-secret")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
