@@ -72,9 +72,9 @@ def ls(prefix: str, limit: int | None, after: str | None, store: str | None,
             out.print(f"no documents: {escape(str(exc))}")
         return
     docs = list_documents(target, prefix=prefix, after=after, limit=limit)
-    latest = pointed_versions(target, [d.name for d in docs])
+    pointers = pointed_versions(target, [d.name for d in docs])
     if as_json:
-        _emit_json(reports.listing(docs, latest))
+        _emit_json(reports.listing(docs, pointers))
         return
     if not docs:
         what = f"named {prefix}*" if prefix else ""
@@ -86,9 +86,9 @@ def ls(prefix: str, limit: int | None, after: str | None, store: str | None,
     table.add_column("latest", justify="right")
     table.add_column("versions")
     for d in docs:
-        pointed = latest[d.name]
-        table.add_row(escape(d.name), "—" if pointed is None else str(pointed),
-                      _versions_text(d.versions))  # fmt: skip
+        pointed = pointers[d.name]
+        latest = str(pointed) if pointed is not None else f"{d.latest} (no pointer)"
+        table.add_row(escape(d.name), latest, _versions_text(d.versions))
     out.print(table)
     if limit is not None and len(docs) == limit:
         import shlex

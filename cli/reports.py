@@ -83,9 +83,12 @@ def calibrated(
     }
 
 
-def listing(docs: list[DocumentSummary], latest: dict[str, int | None]) -> list[dict[str, Any]]:
-    """``kvcdn ls``: each document's listed versions and the one its pointer names."""
-    return [{"name": d.name, "versions": list(d.versions), "latest": latest[d.name]}
+def listing(docs: list[DocumentSummary], pointers: dict[str, int | None]
+            ) -> list[dict[str, Any]]:  # fmt: skip
+    """``kvcdn ls``: each document's listed versions, the one its pointer names, and the
+    latest: what a reader loads (the pointer's, else the highest listed)."""
+    return [{"name": d.name, "versions": list(d.versions),
+             "latest": pointers[d.name] or d.latest, "pointer": pointers[d.name]}
             for d in docs]  # fmt: skip
 
 

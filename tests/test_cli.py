@@ -89,7 +89,7 @@ def test_cli_publish_ls_inspect_ask(model, short_text, tmp_path):
     assert published["name"] == "sed-intro" and published["version"] == 1
 
     listing = parsed("ls", runner.invoke(cli, ["ls", "--store", store, "--json"]).stdout)
-    assert listing == [{"name": "sed-intro", "versions": [1], "latest": 1}]
+    assert listing == [{"name": "sed-intro", "versions": [1], "latest": 1, "pointer": 1}]
 
     manifest = parsed(
         "inspect", runner.invoke(cli, ["inspect", "sed-intro@1", "--store", store, "--json"]).stdout

@@ -293,8 +293,9 @@ def test_ls_shows_the_version_the_pointer_names_not_a_planted_one(attacked, tmp_
     done = _cli("ls", "--store", str(root), "--json", env_home=tmp_path)
     assert done.returncode == 0, done.stderr
     victim = next(d for d in parsed("ls", done.stdout) if d["name"] == "victim")
-    assert victim["versions"] == [1, 2, 999_999_999_999] and victim["latest"] == 2
+    assert victim["versions"] == [1, 2, 999_999_999_999]
+    assert victim["latest"] == victim["pointer"] == 2
     (root / latest_key("victim")).unlink()
     done = _cli("ls", "--store", str(root), "--json", env_home=tmp_path)
     victim = next(d for d in parsed("ls", done.stdout) if d["name"] == "victim")
-    assert victim["latest"] is None  # no pointer: readers take the newest that reads
+    assert victim["pointer"] is None and victim["latest"] == 999_999_999_999  # the listing
