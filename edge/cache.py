@@ -17,7 +17,7 @@ dropped and refetched, never served; the fsyncs would only slow misses down.
 A miss is written to a :class:`Spool` in the same folder while it arrives,
 hashed on the way, and renamed into place once verified (:meth:`DiskCache.adopt`):
 an object is never held in memory, whatever its size. Spools in all hold at most
-``max_spool_bytes``, so a hostile origin's endless bodies fill neither memory nor
+:data:`MAX_SPOOL_BYTES`, so a hostile origin's endless bodies fill neither memory nor
 the disk.
 
 A full disk stops caching, not serving: on ``ENOSPC`` the cache turns itself
@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
@@ -111,6 +112,7 @@ class Spool:
         # a store origin's thread may still be writing when its fetch is given up
         self._lock = threading.Lock()
         self._memory: bytearray | bytes | None = None
+        self._readers = 0  # responses still sending the bytes held in memory
         self._fd: int | None = None
         digest = _digest(key)
         name = f".{digest}.spool.{os.getpid()}.{next(_spools)}"
@@ -170,23 +172,40 @@ class Spool:
         """The whole spool: for small documents (pointers, manifests) only."""
         return self.read_at(0, self.size)
 
-    def source(self) -> tuple[BinaryIO | None, bytes]:
+    def source(self) -> tuple[BinaryIO | None, bytes, Callable[[], None] | None]:
         """What a reader sends: a handle of its own on the spooled file (a duplicate
         descriptor, to be read with explicit offsets), or the bytes held in memory (one
-        copy, shared by every reader)."""
+        copy, shared by every reader) and what to call once they are sent: memory held
+        for a response counts against the budget until the last one is sent."""
         with self._lock:
             if self._fd is not None:
-                return os.fdopen(os.dup(self._fd), "rb"), b""
+                return os.fdopen(os.dup(self._fd), "rb"), b"", None
             if self._memory is None:
                 raise RuntimeError(f"the spool of {self.key} was discarded")
             if not isinstance(self._memory, bytes):
                 self._memory = bytes(self._memory)  # finished: frozen once, then shared
-            return None, self._memory
+            self._readers += 1
+            sent = threading.Event()  # one reader ends once
+
+            def done() -> None:
+                if not sent.is_set():
+                    sent.set()
+                    self._end_read()
+
+            return None, self._memory, done
+
+    def _end_read(self) -> None:
+        with self._lock:
+            self._readers -= 1
+            if self._placed and self._readers == 0:
+                self._memory = None
+                self.cache._release(self, memory=True)
 
     def discard(self) -> None:
         """Remove the file unless the cache took it, and close this spool's own handle.
         Its bytes stop counting against the budgets (readers' handles keep a removed
-        file's bytes until they are closed: a response's length at most)."""
+        file's bytes until they are closed: a response's length at most); bytes held in
+        memory once the last response reading them is sent."""
         with self._lock:
             if not self._placed:
                 self._drop_file()
@@ -194,8 +213,9 @@ class Spool:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-            self._memory = None
-            self.cache._release(self)
+            if self._readers == 0:
+                self._memory = None
+                self.cache._release(self)
 
     def _drop_file(self) -> None:
         if self._fd is not None:
@@ -209,7 +229,9 @@ class DiskCache:
     def __init__(self, root: str | Path, max_bytes: int) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
-        self.max_spool_bytes = min(max_bytes, MAX_SPOOL_BYTES)
+        # independent of max_bytes: an object too big to cache is still served (from its
+        # spool), as any other miss
+        self.max_spool_bytes = MAX_SPOOL_BYTES
         self._spooled = 0  # bytes held by spools in the folder, not yet in the index
         self._spooled_memory = 0  # and by spools held in memory while the disk is full
         self._index: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
@@ -363,8 +385,9 @@ class DiskCache:
         with self._lock:
             held = self._spooled_memory if memory else self._spooled
             if held + n > limit:
-                where = "memory" if memory else "the cache folder"
-                raise SpoolFull(f"misses being fetched already hold {held} bytes in {where}")
+                where = "memory (the disk is full)" if memory else "the cache folder"
+                raise SpoolFull(f"misses being fetched hold {held} bytes in {where}, and at "
+                                f"most {limit} may be")  # fmt: skip
             if memory:
                 self._spooled_memory += n
                 spool._reserved_memory += n

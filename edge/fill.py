@@ -89,7 +89,11 @@ class FetchError(Exception):
 
 
 class Found:
-    """An object to send: its bytes in memory, or an open file of verified bytes."""
+    """An object to send: its bytes in memory, or an open file of verified bytes.
+
+    ``sent`` (bytes of a spool held in memory while the disk is full) is called once
+    the response is done with them, whether it was sent or not: the memory counts
+    against the spool budget until then."""
 
     def __init__(
         self,
@@ -100,6 +104,7 @@ class Found:
         file: BinaryIO | None = None,
         stale: bool = False,
         age_s: float = 0.0,
+        sent: Callable[[], None] | None = None,
     ) -> None:
         self.etag = etag
         self.size = size
@@ -107,16 +112,24 @@ class Found:
         self.file = file
         self.stale = stale  # a revalidated object served while the origin is down
         self.age_s = age_s
+        self.sent = sent
 
     def take_file(self) -> BinaryIO:
         assert self.file is not None
         f, self.file = self.file, None
         return f
 
+    def take_sent(self) -> Callable[[], None] | None:
+        sent, self.sent = self.sent, None
+        return sent
+
     def release(self) -> None:
+        """What the response did not take: a file is closed, held bytes let go."""
         if self.file is not None:
             self.file.close()
             self.file = None
+        if self.sent is not None:
+            self.take_sent()()  # type: ignore[misc]
 
 
 class Filled:
@@ -134,8 +147,8 @@ class Filled:
         """What one waiter sends, with its own handle on a spooled file."""
         if self.spool is None:
             return Found(self.verified.etag, self.size, data=self.data)
-        file, data = self.spool.source()
-        return Found(self.verified.etag, self.size, data=data, file=file)
+        file, data, sent = self.spool.source()
+        return Found(self.verified.etag, self.size, data=data, file=file, sent=sent)
 
     def close(self) -> None:
         if self.spool is not None:

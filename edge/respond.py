@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from collections.abc import Callable
 from typing import BinaryIO
 
 from aiohttp import web
@@ -72,10 +73,17 @@ def answer(
             )  # fmt: skip
         return ShapedBody(
             shaper, status, headers, content_type, start, end + 1 - start,
-            data=found.data,
+            data=found.data, sent=found.take_sent(),
         )  # fmt: skip
     if found.file is not None:
         return FileBody(found.take_file(), start, end + 1 - start, status, headers, content_type)
+    if found.sent is not None and request.method != "HEAD":
+        # a spool's bytes held in memory: sent a piece at a time as the client reads
+        # (the transport buffers a piece, not the object), let go once sent
+        return ShapedBody(
+            None, status, headers, content_type, start, end + 1 - start,
+            data=found.data, sent=found.take_sent(),
+        )  # fmt: skip
     body = found.data if (start, end) == (0, size - 1) else found.data[start : end + 1]
     return web.Response(status=status, body=body, headers=headers, content_type=content_type)
 
@@ -124,11 +132,13 @@ class FileBody(web.StreamResponse):
 
 
 class ShapedBody(web.StreamResponse):
-    """A body sent in pieces, each when the shaped link has room for it."""
+    """A body sent in pieces, each when the client has read the last (and, with a
+    ``shaper``, when the shaped link has room for it); ``sent`` is called once it is
+    done, sent or not."""
 
     def __init__(
         self,
-        shaper: LinkShaper,
+        shaper: LinkShaper | None,
         status: int,
         headers: dict[str, str],
         content_type: str,
@@ -137,12 +147,13 @@ class ShapedBody(web.StreamResponse):
         *,
         data: bytes = b"",
         file: BinaryIO | None = None,
+        sent: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(status=status, headers=headers)
         self.content_type = content_type
         self.content_length = count
         self._shaper, self._offset, self._count = shaper, offset, count
-        self._data, self._file = data, file
+        self._data, self._file, self._sent = data, file, sent
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         try:
@@ -151,17 +162,20 @@ class ShapedBody(web.StreamResponse):
             view = memoryview(self._data)
             for at in range(self._offset, self._offset + self._count, PIECE):
                 n = min(PIECE, self._offset + self._count - at)
-                await self._shaper.send(n)
+                if self._shaper is not None:
+                    await self._shaper.send(n)
                 if self._file is not None:
                     piece = os.pread(self._file.fileno(), n, at)  # explicit offsets (FileBody)
                 else:
                     piece = view[at : at + n]
-                await writer.write(piece)
+                await writer.write(piece)  # waits while the client has not read enough
             await super().write_eof()
             return writer
         finally:
             if self._file is not None:
                 self._file.close()
+            if self._sent is not None:
+                self._sent()
 
 
 def s3_error(status: int, code: str, message: str, resource: str) -> web.Response:

@@ -296,16 +296,27 @@ class _LimitedSite(web.TCPSite):
         assert isinstance(server, web.Server)
         limit = self._limit
         refusals = _RateLimited(BAD_REQUEST_LINES)
+        loop = asyncio.get_running_loop()
+        # Connections accepted in this pass of the event loop: a handler counts in
+        # server.connections only from its connection_made, which runs after every
+        # accept of the pass; the count is cleared just before those run.
+        accepting = [0]
+
+        def accepted() -> None:
+            accepting[0] = 0
 
         def connection() -> asyncio.BaseProtocol:
-            if len(server.connections) < limit:
+            if len(server.connections) + accepting[0] < limit:
+                if not accepting[0]:
+                    loop.call_soon(accepted)
+                accepting[0] += 1
                 return server()
             if refusals.allow():
                 log.warning("%d connections are open (the most this edge serves): "
                             "refusing more%s", limit, refusals.suppressed_note())  # fmt: skip
             return _Refused()
 
-        self._server = await asyncio.get_running_loop().create_server(
+        self._server = await loop.create_server(
             connection, self._host, self._port, backlog=self._backlog,
             reuse_address=self._reuse_address, reuse_port=self._reuse_port,
         )  # fmt: skip

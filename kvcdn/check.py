@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from . import keys
 from .catalog import parse_ref
 from .container import read_header
-from .errors import FormatError, KvcdnError, NotFound, TrustError
+from .errors import FormatError, KvcdnError, NotFound, StoreError, TrustError
 from .manifest import (
     MAX_MANIFEST_BYTES,
     MAX_POINTER_BYTES,
@@ -53,7 +53,8 @@ ProgressFn = Callable[[str, int, int], None]
 @dataclass(frozen=True)
 class Problem:
     """Something wrong with one key: ``kind`` is missing, damaged (bytes or format),
-    untrusted (with a trust policy), or dangling (a pointer or index entry that names
+    unreadable (the store failed on it: permissions, I/O, a looping link), untrusted
+    (with a trust policy), or dangling (a pointer or index entry that names
     a version that is not there: readers take it for no entry, so it is reported
     without failing the check)."""
 
@@ -178,6 +179,8 @@ def _read_manifests(
             return Problem(key, "untrusted", _line(exc))
         except FormatError as exc:
             return Problem(key, "damaged", _line(exc))
+        except StoreError as exc:  # this one key: the rest of the store is still checked
+            return Problem(key, "unreadable", _line(exc))
         if (manifest.name, manifest.version) != (name, version):
             return Problem(key, "damaged", f"it holds {manifest.ref}, not {name}@{version}")
         return manifest
@@ -211,6 +214,8 @@ def _check_objects(
             return 0, "missing", "not in the store"
         except FormatError as exc:
             return size, "damaged", _line(exc)
+        except StoreError as exc:
+            return size, "unreadable", _line(exc)
         if size != ref.bytes:
             return size, "damaged", f"{size} bytes, the manifest says {ref.bytes}"
         if digest.hexdigest() != ref.sha256:
@@ -254,6 +259,9 @@ def _check_pointer(
     except FormatError as exc:
         report.problems.append(Problem(key, "damaged", _line(exc)))
         return
+    except StoreError as exc:
+        report.problems.append(Problem(key, "unreadable", _line(exc)))
+        return
     if pointer.name != name:
         report.problems.append(Problem(key, "damaged", f"it points at {pointer.name}"))
     elif pointer.version not in versions:
@@ -277,6 +285,9 @@ def _check_index_entries(store: Store, stored: dict[str, list[int]], report: Sto
         except FormatError as exc:
             report.problems.append(Problem(key, "damaged", _line(exc)))
             continue
+        except StoreError as exc:
+            report.problems.append(Problem(key, "unreadable", _line(exc)))
+            continue
         if pointer.version not in stored.get(pointer.name, ()):
             report.problems.append(Problem(
                 key, "dangling", f"it names {pointer.name}@{pointer.version}, which is not stored"
@@ -292,6 +303,8 @@ def _find_orphans(store: Store, named: set[str], report: StoreCheck) -> None:
         if info is not None and info.kind == "profile-pointer":
             try:
                 current.add(read_profile_pointer(store, key).key)
+            except StoreError as exc:
+                report.problems.append(Problem(key, "unreadable", _line(exc)))
             except KvcdnError as exc:
                 report.problems.append(Problem(key, "damaged", _line(exc)))
     for prefix in (keys.OBJECTS_PREFIX, keys.PROFILES_PREFIX, keys.CLOCK_PREFIX):

@@ -430,7 +430,9 @@ class TrustPolicy:
         """Merge the state file's records into this process's. A damaged file is
         refused (:class:`TrustError`), never ignored: ignoring it would reset
         rollback protection without anyone deciding to."""
-        if self.state_path is None or not self.state_path.exists():
+        # lexists: a dangling or looping link in the record's place is a damaged record,
+        # not a missing one
+        if self.state_path is None or not os.path.lexists(self.state_path):
             return
         try:
             raw = loads(read_bounded(self.state_path, MAX_STATE_BYTES, "rollback state"),

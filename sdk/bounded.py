@@ -21,6 +21,7 @@ one still blocked at interpreter exit does not hold the process.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -39,6 +40,14 @@ _POLL_S = 0.05  # how often a wait without a deadline looks at its cancel flag
 T = TypeVar("T")
 
 
+class _Stuck:
+    """Abandoned reads of one store still running, shared by every view of a reader."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+
+
 class BoundedReader:
     """A :class:`~kvcdn.store.Reader` over ``inner`` whose reads end by their deadline.
 
@@ -50,11 +59,17 @@ class BoundedReader:
     def __init__(self, inner: Reader) -> None:
         self.inner = inner
         self.url = inner.url
-        self._lock = threading.Lock()
-        self.stuck = 0  # abandoned reads still running
+        # this view's deadline, asked at each read (a load's clock can be paused meanwhile)
+        self._deadline: Callable[[], float | None] = lambda: None
+        self._stuck = _Stuck()
 
     def __repr__(self) -> str:
         return f"BoundedReader({self.inner!r})"
+
+    @property
+    def stuck(self) -> int:
+        """Abandoned reads of this store still running."""
+        return self._stuck.count
 
     @property
     def rejected(self) -> list[Any]:
@@ -66,9 +81,12 @@ class BoundedReader:
         if close is not None:
             close()
 
-    def within(self, deadline: float | None) -> Reader:
-        """A view of this reader whose reads end by ``deadline`` (None: no deadline)."""
-        return _Within(self, deadline)
+    def within(self, deadline: float | Callable[[], float | None] | None) -> BoundedReader:
+        """A view of this reader whose reads end by ``deadline`` (None: no deadline), or
+        by what ``deadline()`` says at each read."""
+        view = copy.copy(self)  # the same store, the same count of stuck reads
+        view._deadline = deadline if callable(deadline) else lambda: deadline
+        return view
 
     # ---- the Reader protocol ------------------------------------------------------
     def fetch(
@@ -81,7 +99,7 @@ class BoundedReader:
         on_bytes: Callable[[int], None] | None = None,
         cancel: Cancel | None = None,
     ) -> Fetched:
-        cancel = cancel if cancel is not None else Cancel()
+        cancel = self._cancel(cancel)
         return self._run(
             f"reading {key}",
             lambda: self.inner.fetch(
@@ -102,16 +120,23 @@ class BoundedReader:
         return self.fetch(key, max_bytes=max_bytes, check=check, placement=placement).data
 
     def list(self, prefix: str = "") -> list[str]:
-        return self._run(f"listing {prefix or '/'}", lambda: self.inner.list(prefix), Cancel())
+        return self._run(f"listing {prefix or '/'}", lambda: self.inner.list(prefix),
+                         self._cancel(None))  # fmt: skip
 
     # ---- running a read ---------------------------------------------------------
+    def _cancel(self, cancel: Cancel | None) -> Cancel:
+        cancel = cancel if cancel is not None else Cancel()
+        cancel.limit(self._deadline())
+        return cancel
+
     def _run(self, what: str, read: Callable[[], T], cancel: Cancel) -> T:
         """``read()`` in a thread of its own, waited for until ``cancel``'s deadline or
         until ``cancel`` is set; given up otherwise."""
-        with self._lock:
-            if self.stuck >= MAX_STUCK:
+        stuck = self._stuck
+        with stuck.lock:
+            if stuck.count >= MAX_STUCK:
                 raise StoreError(
-                    f"{what}: {self.stuck} earlier reads of {self.url} never returned; "
+                    f"{what}: {stuck.count} earlier reads of {self.url} never returned; "
                     "not reading it until they do"
                 )
         left = cancel.time_left()
@@ -119,6 +144,7 @@ class BoundedReader:
             raise DeadlineExceeded(f"{what}: no time left to read {self.url}")
         done = threading.Event()
         outcome: list[Any] = []
+        abandoned: list[bool] = []  # set once the caller gives the read up
 
         def work() -> None:
             try:
@@ -126,27 +152,26 @@ class BoundedReader:
             except BaseException as exc:  # handed to the caller, if it still waits
                 outcome.append((False, exc))
             finally:
-                with self._lock:
+                with stuck.lock:
                     done.set()
                     if abandoned:
-                        self.stuck -= 1
+                        stuck.count -= 1
 
-        abandoned: list[bool] = []  # set once the caller gives the read up
         threading.Thread(target=work, name="kvcdn-read", daemon=True).start()
         while not done.wait(_wait_step(cancel)):
             left = cancel.time_left()
             if cancel.is_set() or (left is not None and left <= 0):
-                with self._lock:
+                with stuck.lock:
                     if not done.is_set():  # else it ended in time after all
                         abandoned.append(True)
-                        self.stuck += 1
+                        stuck.count += 1
                         break
         if abandoned:
             cancel.set()  # an edge read shuts its socket: the thread ends soon
             if not cancel.deadline_passed():
                 raise FetchCancelled
             log.info("%s: gave up at the deadline; %d reads of %s still running", what,
-                     self.stuck, self.url)  # fmt: skip
+                     stuck.count, self.url)  # fmt: skip
             raise DeadlineExceeded(f"{what}: {self.url} did not answer in time")
         ok, value = outcome[0]
         if not ok:
@@ -157,50 +182,6 @@ class BoundedReader:
 def _wait_step(cancel: Cancel) -> float:
     left = cancel.time_left()
     return _POLL_S if left is None else max(0.0, min(left, _POLL_S))
-
-
-class _Within:
-    """A :class:`BoundedReader` seen with one deadline for every read."""
-
-    def __init__(self, reader: BoundedReader, deadline: float | None) -> None:
-        self.reader = reader
-        self.deadline = deadline
-        self.url = reader.url
-
-    def _cancel(self, cancel: Cancel | None) -> Cancel:
-        cancel = cancel if cancel is not None else Cancel()
-        cancel.limit(self.deadline)
-        return cancel
-
-    def fetch(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-        on_bytes: Callable[[int], None] | None = None,
-        cancel: Cancel | None = None,
-    ) -> Fetched:
-        return self.reader.fetch(
-            key, max_bytes=max_bytes, check=check, placement=placement, on_bytes=on_bytes,
-            cancel=self._cancel(cancel),
-        )  # fmt: skip
-
-    def get(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-    ) -> bytes:
-        return self.fetch(key, max_bytes=max_bytes, check=check, placement=placement).data
-
-    def list(self, prefix: str = "") -> list[str]:
-        inner = self.reader
-        return inner._run(f"listing {prefix or '/'}", lambda: inner.inner.list(prefix),
-                          self._cancel(None))  # fmt: skip
 
 
 def deadline_in(seconds: float | None) -> float | None:

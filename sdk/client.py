@@ -268,8 +268,9 @@ class Client:
             finally:
                 clock.pause(time.perf_counter() - t)
 
-        # the pointer and the manifest are read within the deadline
-        timed = TimedReader(load.reader.within(clock.deadline()))
+        # the pointer and the manifest are read within the deadline (asked at each read:
+        # resolving a document's text loads the model first, off the clock)
+        timed = TimedReader(load.reader.within(clock.deadline))
         manifest, loaded, model_s = resolve_manifest(
             source, timed, model_off_the_clock, model, self.trust
         )

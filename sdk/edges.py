@@ -207,12 +207,13 @@ class EdgeStore:
                 self._down.pop(edge, None)
                 self._probing.discard(edge)
 
-    def _admit(self, ranked: list[str]) -> list[str]:
+    def _admit(self, ranked: list[str]) -> tuple[list[str], list[str]]:
         """The edges of ``ranked`` a read tries: those whose circuit is closed, and one
         whose circuit is half-open (its time down is over) if no other read is probing
-        it. Every edge when none is admitted and there is no origin to read instead."""
+        it; every edge when none is admitted and there is no origin to read instead.
+        Also the probes this read took, which it must release (:meth:`_release_probes`)."""
         now = time.monotonic()
-        admitted = []
+        admitted, probes = [], []
         with self._lock:
             for edge in ranked:
                 if self._down.get(edge, 0.0) > now:
@@ -221,10 +222,11 @@ class EdgeStore:
                     if edge in self._probing:
                         continue
                     self._probing.add(edge)
+                    probes.append(edge)
                 admitted.append(edge)
         if not admitted and self.origin is None:
-            return list(ranked)
-        return admitted
+            return list(ranked), probes
+        return admitted, probes
 
     def _reject(self, edge: str, key: str, reason: str) -> None:
         self._mark_down(edge, BAD_BYTES_DOWN_S)
@@ -262,83 +264,76 @@ class EdgeStore:
         failures: list[str] = []
         bad: list[KvcdnError] = []  # bytes served that failed ``check``
         missing = refused = 0
-        tried = self._admit(rendezvous(self.edges, placement or placement_key(key)))
-        for i, edge in enumerate(tried):
-            if cancel is not None and cancel.is_set():
-                self._release_probes(tried[i:])
-                raise FetchCancelled
-            timeout = self._timeout(cancel)
-            if timeout is None:
-                self._release_probes(tried[i:])
-                raise DeadlineExceeded(f"{key}: no time left to read it from {edge}")
-            try:
-                resp = self._http.request(
-                    "GET", f"{edge}/{quote(key)}", headers=self._headers, preload_content=False,
-                    timeout=timeout,
-                )  # fmt: skip
-            except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
-                if cancel is not None and cancel.deadline_passed():
-                    self._mark_down(edge)  # no answer by the read's deadline: skipped a while
-                    self._release_probes(tried[i + 1 :])
-                    raise DeadlineExceeded(f"{key}: {edge} did not answer in time") from None
+        tried, probes = self._admit(rendezvous(self.edges, placement or placement_key(key)))
+        try:
+            for edge in tried:
                 if cancel is not None and cancel.is_set():
-                    self._release_probes(tried[i:])
-                    raise FetchCancelled from None  # our own shutdown of the socket
-                self._mark_down(edge)
-                failures.append(f"{edge}: {exc}")
-                log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
-                continue
-            if resp.status == 200:
+                    raise FetchCancelled
+                timeout = self._timeout(cancel)
+                if timeout is None:
+                    raise DeadlineExceeded(f"{key}: no time left to read it from {edge}")
                 try:
-                    data = self._read_body(resp, limit, on_bytes, cancel)
-                except _EdgeFailed as exc:
-                    self._reject(edge, key, str(exc))
-                    failures.append(f"{edge}: {exc}")
-                    bad.append(FormatError(str(exc)))
-                    continue
-                except DeadlineExceeded:
-                    self._mark_down(edge)  # no answer in time: others are tried first a while
-                    self._release_probes(tried[i + 1 :])
-                    raise
-                except (urllib3.exceptions.HTTPError, OSError) as exc:
+                    resp = self._http.request(
+                        "GET", f"{edge}/{quote(key)}", headers=self._headers,
+                        preload_content=False, timeout=timeout,
+                    )  # fmt: skip
+                except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
                     if cancel is not None and cancel.deadline_passed():
-                        self._mark_down(edge)
-                        self._release_probes(tried[i + 1 :])
-                        raise DeadlineExceeded(f"{key}: {edge} did not send it in time") from None
+                        self._mark_down(edge)  # no answer by the read's deadline: skipped a while
+                        raise DeadlineExceeded(f"{key}: {edge} did not answer in time") from None
                     if cancel is not None and cancel.is_set():
-                        self._release_probes(tried[i + 1 :])
-                        raise FetchCancelled from None
+                        raise FetchCancelled from None  # our own shutdown of the socket
                     self._mark_down(edge)
                     failures.append(f"{edge}: {exc}")
                     log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
                     continue
-                except BaseException:
-                    self._release_probes(tried[i:])
-                    raise
-                if check is not None:
+                if resp.status == 200:
                     try:
-                        check(data)
-                    except KvcdnError as exc:
+                        data = self._read_body(resp, limit, on_bytes, cancel)
+                    except _EdgeFailed as exc:
                         self._reject(edge, key, str(exc))
                         failures.append(f"{edge}: {exc}")
-                        bad.append(exc)
+                        bad.append(FormatError(str(exc)))
                         continue
-                self._mark_up(edge)
-                self._release_probes(tried[i + 1 :])
-                return Fetched(key, data, edge, time.perf_counter() - started)
-            reason = _error_reason(resp)
-            failures.append(f"{edge}: {resp.status} {reason}")
-            if resp.status == 404:
-                missing += 1
-                self._mark_up(edge)  # it answered
-            elif resp.status in (401, 403):
-                refused += 1
-                self._mark_up(edge)
-            elif resp.status >= 500:
-                self._mark_down(edge)
-            log.warning(
-                "edge %s answered %d for %s, trying the next source", edge, resp.status, key
-            )
+                    except DeadlineExceeded:
+                        self._mark_down(edge)  # no answer in time: others are tried first
+                        raise
+                    except (urllib3.exceptions.HTTPError, OSError) as exc:
+                        if cancel is not None and cancel.deadline_passed():
+                            self._mark_down(edge)
+                            raise DeadlineExceeded(
+                                f"{key}: {edge} did not send it in time"
+                            ) from None
+                        if cancel is not None and cancel.is_set():
+                            raise FetchCancelled from None
+                        self._mark_down(edge)
+                        failures.append(f"{edge}: {exc}")
+                        log.warning("edge %s failed on %s, trying the next source: %s", edge,
+                                    key, exc)  # fmt: skip
+                        continue
+                    if check is not None:
+                        try:
+                            check(data)
+                        except KvcdnError as exc:
+                            self._reject(edge, key, str(exc))
+                            failures.append(f"{edge}: {exc}")
+                            bad.append(exc)
+                            continue
+                    self._mark_up(edge)
+                    return Fetched(key, data, edge, time.perf_counter() - started)
+                reason = _error_reason(resp)
+                failures.append(f"{edge}: {resp.status} {reason}")
+                if resp.status >= 500 or resp.status in (408, 429):  # failing, or overloaded
+                    self._mark_down(edge)
+                else:  # it answered: a missing key, a refusal, anything else
+                    self._mark_up(edge)
+                    missing += resp.status == 404
+                    refused += resp.status in (401, 403)
+                log.warning(
+                    "edge %s answered %d for %s, trying the next source", edge, resp.status, key
+                )
+        finally:
+            self._release_probes(probes)  # those not answered for already, whatever happened
         skipped = len(self.edges) - len(tried)
         if self.origin is not None:
             got = self.origin.fetch(
@@ -356,9 +351,11 @@ class EdgeStore:
         raise StoreError(f"no edge could serve {key}: {'; '.join(failures)}")
 
     def _release_probes(self, edges: list[str]) -> None:
-        """Edges a read admitted as a probe and will not try after all."""
-        with self._lock:
-            self._probing.difference_update(edges)
+        """Probes a read took: each edge may be probed again by the next read (if its
+        answer did not close or reopen its circuit already)."""
+        if edges:
+            with self._lock:
+                self._probing.difference_update(edges)
 
     def _timeout(self, cancel: Cancel | None) -> urllib3.Timeout | None:
         """This request's timeouts: the reader's, cut to the time its read has left

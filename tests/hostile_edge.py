@@ -18,7 +18,9 @@ honestly from the folder):
 * ``gzip-bomb``: every key is answered with ``Content-Encoding: gzip`` and 2 MB
   that inflate to 2 GiB of zeros (a parent edge that tries to exhaust its child);
 * ``hang``: every request but ``/healthz`` is accepted and never answered (an edge
-  whose process is stuck, or a black-holed link).
+  whose process is stuck, or a black-holed link);
+* ``busy-once``: the first request for each key is answered ``429 Too Many
+  Requests``, later ones honestly (an edge shedding load for a moment).
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-MODES = ("forge-object", "swap-manifest", "oversized", "endless", "drip", "gzip-bomb", "hang")
+MODES = (
+    "forge-object", "swap-manifest", "oversized", "endless", "drip", "gzip-bomb", "hang",
+    "busy-once",
+)  # fmt: skip
 
 
 def gzip_bomb(inflated: int = 2 << 30) -> bytes:
@@ -61,11 +66,15 @@ def swapped_manifest(store: Path, donor: str, name: str, version: int) -> bytes:
 
 def app(store: Path, mode: str, donor: str | None) -> web.Application:
     bomb = gzip_bomb() if mode == "gzip-bomb" else b""
+    asked: set[str] = set()
 
     async def serve(request: web.Request) -> web.StreamResponse:
         key = request.match_info["key"]
         if mode == "hang":
             await asyncio.Event().wait()  # never answers: no headers, no body
+        if mode == "busy-once" and key not in asked:
+            asked.add(key)
+            return web.Response(status=429, text="busy\n", headers={"Retry-After": "1"})
         if bomb:
             return web.Response(body=bomb, headers={"Content-Encoding": "gzip"})
         path = store / key

@@ -217,3 +217,35 @@ def test_a_keep_alive_client_is_served_across_the_idle_timeout(origin_folder, tm
         assert reader.fetch(key).source == edge.url
     finally:
         edge.kill()
+
+
+def test_an_object_larger_than_the_cache_is_served_uncached(origin_folder, tmp_path):
+    folder, key = origin_folder
+    data = (folder / key).read_bytes()  # about 1 MiB
+    edge = EdgeProcess(str(folder), tmp_path / "cache", None, "--max-bytes", "256K").start()
+    try:
+        for _ in range(2):
+            status, _, body = get(f"{edge.url}/{key}")
+            assert status == 200 and body == data
+        assert edge.metrics()["kvcdn_edge_cache_objects"] == 0
+        assert not [p for p in (tmp_path / "cache").rglob(".*") if p.is_file()]
+    finally:
+        edge.kill()
+
+
+def test_a_burst_of_connections_stays_within_the_limit(origin_folder, tmp_path):
+    folder, _ = origin_folder
+    edge = EdgeProcess(str(folder), tmp_path / "cache", None, "--max-connections", "20").start()
+    held: list[socket.socket] = []
+    try:
+        idle_fds = _open_fds(edge.proc.pid)
+        with ThreadPoolExecutor(50) as pool:  # all at once: accepted in one loop pass
+            held = list(pool.map(lambda _: socket.create_connection(("127.0.0.1", edge.port)),
+                                 range(100)))  # fmt: skip
+        time.sleep(0.5)
+        print(f"{_open_fds(edge.proc.pid) - idle_fds} connections held of 100 opened at once")
+        assert _open_fds(edge.proc.pid) <= idle_fds + 20
+    finally:
+        for s in held:
+            s.close()
+        edge.kill()

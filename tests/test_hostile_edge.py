@@ -258,3 +258,26 @@ def test_an_edge_that_misses_a_reads_deadline_is_skipped_too(signed, hanging):
     started = time.perf_counter()
     got = reader.fetch(key, cancel=Cancel(deadline=time.monotonic() + 1.0))
     assert got.source == "origin" and time.perf_counter() - started < 0.5
+
+
+def test_an_edge_that_answers_its_probe_with_another_status_is_probed_again(signed, tmp_path):
+    """A probe answered 429 (or any status but a 200, 404, 401/403 or 5xx) used to keep
+    the probe flag, and the edge was never tried again."""
+    from kvcdn.store import open_store
+    from tests.edge_helpers import Hostile
+
+    root = signed[0]
+    key = next(p for p in sorted((root / "objects").rglob("*.kvc"))).relative_to(root).as_posix()
+    port = free_port()
+    reader = EdgeStore([f"http://127.0.0.1:{port}"], open_store(str(root)), read_timeout_s=2.0)
+    edge = reader.edges[0]
+    assert reader.fetch(key).source == "origin"  # nothing listens: its circuit opens
+    busy = Hostile(root, port, "busy-once")
+    try:
+        for expected in ("origin", edge):  # its time down over: probed (429, down), probed again
+            with reader._lock:
+                reader._down[edge] = 0.0
+            assert reader.fetch(key).source == expected
+        assert edge not in reader._probing and edge not in reader._failures
+    finally:
+        busy.stop()

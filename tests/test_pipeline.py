@@ -313,3 +313,15 @@ def test_load_straight_into_gpu_memory(short_text, tmp_path):
     ctx = sdk.load_context("doc", store=str(tmp_path), model=gpu_model)
     assert ctx.cache.layers[0].keys.device.type == "cuda"
     assert ctx.generate(QUESTION, max_new_tokens=4).token_ids
+
+
+def test_a_deadline_does_not_count_loading_the_model(model, short_text, tmp_path):
+    """A document given by its path is found by its text's digest for a model, so the model
+    loads first: that one-off cost is off the clock, reads after it keep their time."""
+    store = tmp_path / "store"
+    doc = tmp_path / "doc.md"
+    doc.write_text(short_text)
+    publish(doc, model=model, store=str(store), levels="int8")
+    with sdk.Client(store=str(store), warm=False) as client:  # its own models: loads one
+        ctx = client.load_context(str(doc), deadline_s=0.3)
+    assert ctx.manifest.name == "doc" and ctx.token_ids

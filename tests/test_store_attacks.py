@@ -281,6 +281,9 @@ def test_a_damaged_record_of_seen_versions_is_refused_not_reset(attacked, tmp_pa
     (state,) = (home / "kvcdn" / "seen").glob("*.json")
     state.write_text('{"victim": ')  # a torn or tampered record
     _one_line(_cli(*args, env_home=home), 6, f"{state}, is damaged")
+    state.unlink()
+    state.symlink_to(state.with_name("elsewhere.json"))  # a link to nothing is no record either
+    _one_line(_cli(*args, env_home=home), 6, f"{state}, is damaged")
     state.unlink()  # the operator starts a new record
     done = _cli(*args, env_home=home)
     assert done.returncode == 0 and parsed("inspect", done.stdout)["version"] == 2
