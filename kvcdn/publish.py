@@ -36,6 +36,7 @@ from .codec import (
     check_level_names,
     decode_chunk,
     encode_chunk,
+    is_exact,
     needs_profile,
     parse_levels,
 )
@@ -526,14 +527,16 @@ def _stored_prefix(
 
 
 def _kl(codec: str, quality: dict[str, float]) -> float:
-    """A level's measured KL against exact KV: 0 for fp16, unknown (inf) when unmeasured."""
-    return 0.0 if codec == "fp16" else quality.get("kl", float("inf"))
+    """A level's measured KL against exact KV: 0 for an exact codec (fp16), unknown (inf)
+    when unmeasured."""
+    return 0.0 if is_exact(codec) else quality.get("kl", float("inf"))
 
 
 def _exactness(level: LevelInfo) -> tuple[bool, float, float]:
-    """Orders stored levels from the most exact: fp16, then the smallest measured KL,
-    then the most bits per element."""
-    return (level.codec != "fp16", level.quality.get("kl", float("inf")), -level.bits_per_element)
+    """Orders stored levels from the most exact: an exact codec (fp16), then the smallest
+    measured KL, then the most bits per element."""
+    return (not is_exact(level.codec), level.quality.get("kl", float("inf")),
+            -level.bits_per_element)  # fmt: skip
 
 
 def _freshen_reused(
@@ -688,7 +691,7 @@ def _manifest(
 
 
 def _level_quality(level: Level, profile: CodecProfile | None) -> dict[str, float]:
-    if level.name == "fp16":
+    if is_exact(level.codec):
         return {"kl": 0.0, "ppl_delta_pct": 0.0, "top1_agree": 1.0}
     if profile is not None and level.name in profile.levels:
         return dict(profile.levels[level.name].quality)

@@ -145,6 +145,9 @@ class Reader(Protocol):
     """
 
     url: str
+    #: Reads come from this machine's files (a local folder): they take about as long as
+    #: the disk, so an engine may load synchronously; False for anything over a network.
+    local: bool
 
     def get(
         self,
@@ -176,8 +179,38 @@ class Reader(Protocol):
         ...
 
 
-class Store:
+class ReaderBase:
+    """What every reader shares: :meth:`get`, the bytes of a :meth:`fetch`. A reader
+    implements ``fetch`` and ``list`` (the :class:`Reader` protocol) and inherits this."""
+
+    def get(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+    ) -> bytes:
+        """The bytes of ``key``: :meth:`fetch` without progress, cancel or source."""
+        return self.fetch(key, max_bytes=max_bytes, check=check, placement=placement).data
+
+    def fetch(
+        self,
+        key: str,
+        *,
+        max_bytes: int | None = None,
+        check: Check | None = None,
+        placement: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        cancel: Cancel | None = None,
+    ) -> Fetched:
+        raise NotImplementedError
+
+
+class Store(ReaderBase):
     """Keys and bytes under one root of an fsspec filesystem."""
+
+    local = False
 
     #: Extra arguments of every read (``cat_file``) on this kind of filesystem.
     read_kwargs: dict[str, Any] = {}
@@ -226,18 +259,6 @@ class Store:
             raise StoreError(f"{what}: store {self.url} failed: {exc}") from None
 
     # ---- reading ---------------------------------------------------------------
-    def get(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-    ) -> bytes:
-        """The bytes of ``key``; a larger object is refused after ``max_bytes`` + 1 bytes,
-        and ``check`` runs on what was read."""
-        return self.fetch(key, max_bytes=max_bytes, check=check).data
-
     def fetch(
         self,
         key: str,
@@ -248,8 +269,9 @@ class Store:
         on_bytes: Callable[[int], None] | None = None,
         cancel: Cancel | None = None,
     ) -> Fetched:
-        """:meth:`get` in pieces (:meth:`pieces`), reporting each and stopping between
-        two when ``cancel`` is set."""
+        """The bytes of ``key``, read in pieces (:meth:`pieces`: a larger object than
+        ``max_bytes`` is refused once one byte more has arrived), reporting each and
+        stopping between two when ``cancel`` is set; ``check`` runs on what was read."""
         started = time.perf_counter()
         pieces: list[bytes] = []
         for piece in self.pieces(key, max_bytes=max_bytes, cancel=cancel):
@@ -420,6 +442,8 @@ class Store:
 
 class LocalStore(Store):
     """A folder on a local disk; writes go to a temporary name, then are renamed."""
+
+    local = True
 
     def _tmp(self, path: str) -> Path:
         target = Path(path)

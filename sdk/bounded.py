@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvcdn.errors import DeadlineExceeded, StoreError
-from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, Reader
+from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, Reader, ReaderBase
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class _Stuck:
         self.count = 0
 
 
-class BoundedReader:
+class BoundedReader(ReaderBase):
     """A :class:`~kvcdn.store.Reader` over ``inner`` whose reads end by their deadline.
 
     ``fetch`` takes the deadline of its ``cancel`` (:attr:`Cancel.deadline`,
@@ -59,6 +59,7 @@ class BoundedReader:
     def __init__(self, inner: Reader) -> None:
         self.inner = inner
         self.url = inner.url
+        self.local = getattr(inner, "local", False)
         # this view's deadline, asked at each read (a load's clock can be paused meanwhile)
         self._deadline: Callable[[], float | None] = lambda: None
         self._stuck = _Stuck()
@@ -108,16 +109,6 @@ class BoundedReader:
             ),  # fmt: skip
             cancel,
         )
-
-    def get(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-    ) -> bytes:
-        return self.fetch(key, max_bytes=max_bytes, check=check, placement=placement).data
 
     def list(self, prefix: str = "") -> list[str]:
         return self._run(f"listing {prefix or '/'}", lambda: self.inner.list(prefix),

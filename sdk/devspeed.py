@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcdn import __version__, paths
-from kvcdn.codec import RANS_CODEC, TEXT_LEVEL, Level, decode_chunk, encode_chunk
+from kvcdn.codec import TEXT_LEVEL, Level, decode_chunk, encode_chunk, uses_profile
+from kvcdn.codecs import known_codec
 from kvcdn.manifest import Manifest
 from kvcdn.models import LoadedModel
 
@@ -110,7 +111,8 @@ class DeviceSpeeds:
         levels = {
             lv.id: Level(name, lv.codec, lv.params)
             for name, lv in manifest.levels.items()
-            if name != TEXT_LEVEL and (lv.codec != RANS_CODEC or profile is not None)
+            if name != TEXT_LEVEL and known_codec(lv.codec) is not None
+            and (not uses_profile(lv.codec) or profile is not None)
         }
         measured_s = 0.0
         with self._lock:

@@ -49,7 +49,7 @@ from kvcdn.errors import (
 )
 from kvcdn.keys import manifest_key, parse_key
 from kvcdn.manifest import MAX_OBJECT_BYTES, Manifest
-from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, Store
+from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, ReaderBase, Store
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Rejected:
         return f"{self.edge} served bad bytes for {self.key}: {self.reason}"
 
 
-class EdgeStore:
+class EdgeStore(ReaderBase):
     """Store keys read through edges, with failover to the next edge and to ``origin``.
 
     It is a :class:`~kvcdn.store.Reader` like every store, so documents
@@ -137,6 +137,8 @@ class EdgeStore:
     source served a key. ``documents_from_origin`` reads manifests and
     pointers from ``origin`` (when given) rather than from the edges.
     """
+
+    local = False
 
     def __init__(
         self,
@@ -256,11 +258,7 @@ class EdgeStore:
         limit = MAX_OBJECT_BYTES if max_bytes is None else max_bytes
         info = parse_key(key)
         if self.documents_from_origin and info is not None and info.kind in _DOCUMENT_KINDS:
-            assert self.origin is not None
-            got = self.origin.fetch(
-                key, max_bytes=limit, check=check, on_bytes=on_bytes, cancel=cancel
-            )
-            return Fetched(key, got.data, "origin", time.perf_counter() - started)
+            return self._from_origin(key, limit, check, on_bytes, cancel, started)
         failures: list[str] = []
         bad: list[KvcdnError] = []  # bytes served that failed ``check``
         missing = refused = 0
@@ -336,10 +334,7 @@ class EdgeStore:
             self._release_probes(probes)  # those not answered for already, whatever happened
         skipped = len(self.edges) - len(tried)
         if self.origin is not None:
-            got = self.origin.fetch(
-                key, max_bytes=limit, check=check, on_bytes=on_bytes, cancel=cancel
-            )
-            return Fetched(key, got.data, "origin", time.perf_counter() - started)
+            return self._from_origin(key, limit, check, on_bytes, cancel, started)
         if skipped:
             failures.append(f"{skipped} edge(s) skipped while they recover from failures")
         if bad and len(bad) == len(failures):  # say what was wrong, in its own terms
@@ -349,6 +344,14 @@ class EdgeStore:
         if refused and refused == len(failures):
             raise AccessDenied(f"the edges refused to serve {key}; check the edge token")
         raise StoreError(f"no edge could serve {key}: {'; '.join(failures)}")
+
+    def _from_origin(self, key: str, limit: int, check: Check | None,
+                     on_bytes: Callable[[int], None] | None, cancel: Cancel | None,
+                     started: float) -> Fetched:  # fmt: skip
+        assert self.origin is not None
+        got = self.origin.fetch(key, max_bytes=limit, check=check, on_bytes=on_bytes,
+                                cancel=cancel)  # fmt: skip
+        return Fetched(key, got.data, "origin", time.perf_counter() - started)
 
     def _release_probes(self, edges: list[str]) -> None:
         """Probes a read took: each edge may be probed again by the next read (if its
@@ -436,16 +439,6 @@ class EdgeStore:
                 cancel.bind(None)
             resp.release_conn()
         return b"".join(pieces)
-
-    def get(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-    ) -> bytes:
-        return self.fetch(key, max_bytes=max_bytes, check=check, placement=placement).data
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix``: from the origin when there is one, else an edge's listing."""

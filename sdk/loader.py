@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvcdn import catalog
-from kvcdn.codec import RANS_CODEC, TEXT_LEVEL
+from kvcdn.codec import TEXT_LEVEL, is_exact, uses_profile
 from kvcdn.codec_profile import CodecProfile
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, KvcdnError, NotFound
 from kvcdn.keys import NAME_PATTERN
@@ -24,7 +24,7 @@ from kvcdn.models import LoadedModel, ModelIdentity
 from kvcdn.profile_store import ProfileCache, load_profile
 from kvcdn.publish import document_text, is_document_path, read_document, source_digest
 from kvcdn.signing import TrustPolicy
-from kvcdn.store import Cancel, Check, Fetched, Reader, Store, open_store
+from kvcdn.store import Cancel, Check, Fetched, Reader, ReaderBase, Store, open_store
 
 from . import checks
 from .bounded import BoundedReader
@@ -84,8 +84,8 @@ def open_reader(
     return BoundedReader(inner)
 
 
-class TimedReader:
-    """A reader that times its ``get`` calls, for a first look at a new link.
+class TimedReader(ReaderBase):
+    """A reader that times its reads, for a first look at a new link.
 
     Resolving a document reads a tiny pointer and then the manifest (tens of
     kilobytes); the difference of their times is the manifest's transfer
@@ -97,20 +97,8 @@ class TimedReader:
     def __init__(self, inner: Reader) -> None:
         self.inner = inner
         self.url = inner.url
+        self.local = getattr(inner, "local", False)
         self.reads: list[tuple[int, float]] = []
-
-    def get(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-    ) -> bytes:
-        t = time.perf_counter()
-        data = self.inner.get(key, max_bytes=max_bytes, check=check, placement=placement)
-        self.reads.append((len(data), time.perf_counter() - t))
-        return data
 
     def fetch(
         self,
@@ -263,7 +251,7 @@ def quality_scores(manifest: Manifest) -> dict[str, float]:
     """
     scores: dict[str, float] = {TEXT_LEVEL: 1.0}
     for name, lv in manifest.levels.items():
-        if lv.codec == "fp16":
+        if is_exact(lv.codec):
             scores[name] = 1.0
         elif "top1_agree" in lv.quality:
             scores[name] = lv.quality["top1_agree"] - lv.quality.get("kl", 0.0)
@@ -284,7 +272,7 @@ def _profile(
 ) -> CodecProfile | None:
     """The codec profile the ladder levels among ``levels`` decode with, if any."""
     if manifest.codec_profile is None or not any(
-        manifest.levels[lv].codec == RANS_CODEC for lv in levels
+        uses_profile(manifest.levels[lv].codec) for lv in levels
     ):
         return None
     profile = load_profile(
@@ -305,7 +293,7 @@ def _profile_or_fewer_levels(
     except KvcdnError as exc:
         reason = f"its codec profile cannot be used ({str(exc).splitlines()[0][:200]})"
         log.warning("%s: %s; loading without the levels that need it", manifest.ref, reason)
-        return None, {lv: reason for lv in levels if manifest.levels[lv].codec == RANS_CODEC}
+        return None, {lv: reason for lv in levels if uses_profile(manifest.levels[lv].codec)}
 
 
 def monotonic_at(perf_deadline: float | None) -> float | None:
@@ -426,7 +414,7 @@ def _recompute_into(
 ) -> LoadPlan:
     """The ``text`` level: prefill the manifest's tokens on the device."""
     t = time.perf_counter()
-    target.chunk(0, manifest.token_count).copy_(loaded.prefill(manifest.token_ids))
+    target.chunk(0, manifest.token_count).write(loaded.prefill(manifest.token_ids))
     seconds["recompute"] = time.perf_counter() - t
     ready_s = time.perf_counter() - started
     n = len(manifest.chunks)
@@ -449,7 +437,6 @@ def _recompute_into(
 def load_prefix_into(
     target: KVTarget,
     manifest: Manifest,
-    model: ModelIdentity,
     reader: Reader,
     *,
     chunks: tuple[int, int],
@@ -458,6 +445,7 @@ def load_prefix_into(
     predictor: ThroughputPredictor,
     policy: Policy,
     profiles: ProfileCache,
+    fingerprint: str,
     deadline_s: float | None = None,
 ) -> PipelineResult:
     """An engine's load: the longest run of ``manifest``'s chunks ``[first, end)``
@@ -465,18 +453,18 @@ def load_prefix_into(
     ``deadline_s`` when given. What is not loaded is left to the engine, which
     computes it.
 
-    The manifest is checked against ``model`` first; a chunk that fails ends the
-    prefix (nothing after it is written) instead of failing the load. With
+    The caller has checked the manifest against the model (:func:`check_against_model`,
+    once, when it found the document); ``fingerprint`` is the model's. A chunk that
+    fails ends the prefix (nothing after it is written) instead of failing the load. With
     ``quality="auto"`` and a deadline, each chunk's level is planned to arrive
     in time, from the link's throughput as measured while it loads.
     """
-    check_against_model(manifest, model)
     levels = check_quality(manifest, quality)
     if not levels:
         raise InputError("an engine loads stored levels; 'text' is the engine's own prefill")
     started = time.perf_counter()
     give_up_at = None if deadline_s is None else started + deadline_s
-    profile = _profile(manifest, levels, within(reader, give_up_at), profiles, model.fingerprint)
+    profile = _profile(manifest, levels, within(reader, give_up_at), profiles, fingerprint)
     deadline_at = None
     if deadline_s is not None:
         deadline_at = started + deadline_s * (1 - DEADLINE_MARGIN)

@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvcdn.codec import decode_chunk, decode_into_blocks
+from kvcdn.codec import decode_into
 from kvcdn.errors import DeadlineExceeded, FormatError, KvcdnError, NotFound, TrustError
-from kvcdn.kernels.permuted import PermutedBlocks
 from kvcdn.manifest import ChunkEntry, Manifest
 from kvcdn.models import LoadedModel
 from kvcdn.store import Cancel, FetchCancelled, Reader
@@ -591,23 +590,18 @@ class Pipeline:
     def _decode(self, c: _Chunk) -> None:
         assert c.option is not None
         ref = c.entry.objects[c.option.level]
-        out = self.target.chunk(c.entry.start, c.entry.end)
-        name = f"object {ref.key}"
         # its bytes were checked against the manifest's sha256 when they arrived
-        if isinstance(out, PermutedBlocks):
-            decode_into_blocks(c.data, out, name=name, profile=self.profile, verified=True,
-                               chunk_hash=c.entry.hash)  # fmt: skip
-        else:
-            decode_chunk(c.data, name=name, device=self.device, profile=self.profile, out=out,
-                         verified=True, chunk_hash=c.entry.hash)  # fmt: skip
+        decode_into(c.data, self.target.chunk(c.entry.start, c.entry.end),
+                    name=f"object {ref.key}", profile=self.profile, verified=True,
+                    chunk_hash=c.entry.hash)  # fmt: skip
         self.target.commit(c.entry.start, c.entry.end)
 
     def _recompute(self, c: _Chunk) -> None:
         start, end = c.entry.start, c.entry.end
-        out = self.target.chunk(start, end)
         if self.loaded is None:
             raise FormatError(f"chunk {c.entry.index} has no stored level to load")
-        out.copy_(self.loaded.extend(self.target.prefix(start), c.entry.tokens))
+        kv = self.loaded.extend(self.target.prefix(start), c.entry.tokens)
+        self.target.chunk(start, end).write(kv)
         self.target.commit(start, end)
 
     def _learn_device(self, c: _Chunk, seconds: float) -> None:

@@ -1,8 +1,9 @@
 """KV targets: where a load decodes a document's chunks.
 
-The loader never builds a cache itself. It asks a target for the slice that
-chunk ``[start, end)`` of the document goes to (all layers, keys and values),
-decodes or recomputes the chunk straight into it, and hands the target back.
+The loader never builds a cache itself. It asks a target for the place that
+chunk ``[start, end)`` of the document goes to (all layers, keys and values: a
+:class:`~kvcdn.codecs.ChunkDest`), decodes or recomputes the chunk straight into
+it, and hands the target back.
 A target for transformers is one tensor that a ``DynamicCache`` is then laid
 over (no copy); a target for blending is a plain tensor; a serving engine's
 target maps the same slices onto its own paged blocks.
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvcdn.codecs import ChunkDest, TensorDest
+
 if TYPE_CHECKING:
     import torch
 
-    from kvcdn.kernels.permuted import PermutedBlocks
     from kvcdn.models import LoadedModel
 
 
@@ -25,9 +27,9 @@ class KVTarget(Protocol):
     #: The document's tokens: every position in ``[0, tokens)`` is written once.
     tokens: int
 
-    def chunk(self, start: int, end: int) -> torch.Tensor | PermutedBlocks:
-        """A writable ``[L, 2, H, end - start, D]`` view for tokens ``[start, end)``, or
-        paged CPU blocks that the decoders write in their own layout."""
+    def chunk(self, start: int, end: int) -> ChunkDest:
+        """Where the KV ``[L, 2, H, end - start, D]`` of tokens ``[start, end)`` goes: a
+        tensor view, or paged blocks the decoders write in their own layout."""
         ...
 
     def prefix(self, end: int) -> torch.Tensor:
@@ -56,8 +58,8 @@ class TensorTarget:
             device=loaded.device,
         )
 
-    def chunk(self, start: int, end: int) -> torch.Tensor:
-        return self.kv[:, :, :, start:end]
+    def chunk(self, start: int, end: int) -> TensorDest:
+        return TensorDest(self.kv[:, :, :, start:end])
 
     def prefix(self, end: int) -> torch.Tensor:
         return self.kv[:, :, :, :end]

@@ -347,7 +347,8 @@ def test_decoding_into_paged_blocks_equals_decoding_then_writing(profile, real_k
     a claim that starts and ends inside the chunk, and fp16 specials."""
     from dataclasses import replace
 
-    from kvcdn.codec import FIXED_LEVELS, decode_into_blocks
+    from kvcdn.codec import FIXED_LEVELS, decode_into
+    from kvcdn.codecs import BlocksDest
     from kvcdn.kernels.paged_cpu import write_permuted
     from kvcdn.kernels.permuted import PermutedBlocks
 
@@ -361,7 +362,7 @@ def test_decoding_into_paged_blocks_equals_decoding_then_writing(profile, real_k
         fused, blocks, k_pos, v_pos = _paged_cache(dtype)
         reference = fused.copy()
         into = PermutedBlocks(fused, blocks, start, lo, hi, k_pos, v_pos, 256, 64)
-        header = decode_into_blocks(data, into, profile=profile, chunk_hash=HASH)
+        header = decode_into(data, BlocksDest(into), profile=profile, chunk_hash=HASH)
         assert header.level == level
         _, decoded = decode_chunk(data, profile=profile)
         write_permuted(np.ascontiguousarray(decoded.float().numpy()),
@@ -370,19 +371,20 @@ def test_decoding_into_paged_blocks_equals_decoding_then_writing(profile, real_k
         assert np.array_equal(fused.view(np.uint8), reference.view(np.uint8)), (start, lo, hi)
         assert fused.any()
     with pytest.raises(FormatError, match="another chunk"):
-        decode_into_blocks(data, into, profile=profile, chunk_hash="cd" * 32)
+        decode_into(data, BlocksDest(into), profile=profile, chunk_hash="cd" * 32)
     # a chunk of another shape (half the lanes would double the block size the
     # kernels compute, and land in blocks the claim does not own) is refused
     with pytest.raises(FormatError, match="tokens"):
-        decode_into_blocks(data, replace(into, tokens=128), profile=profile)
+        decode_into(data, BlocksDest(replace(into, tokens=128)), profile=profile)
     if level in FIXED_LEVELS:
         halved = encode_chunk(lv, kv[:, :, :, :512].reshape(30, 2, 3, 512, 64)[..., :32], HASH)
         with pytest.raises(FormatError, match="lanes"):
-            decode_into_blocks(halved, replace(into, tokens=512), profile=profile)
+            decode_into(halved, BlocksDest(replace(into, tokens=512)), profile=profile)
 
 
 def test_a_corrupt_stream_decoded_into_blocks_is_an_error(profile, real_kv):
-    from kvcdn.codec import decode_into_blocks
+    from kvcdn.codec import decode_into
+    from kvcdn.codecs import BlocksDest
     from kvcdn.kernels.permuted import PermutedBlocks
 
     data = bytearray(encode_chunk(ladder_level("default", profile), real_kv[:, :, :, 256:512],
@@ -393,4 +395,4 @@ def test_a_corrupt_stream_decoded_into_blocks_is_an_error(profile, real_kv):
     cache, blocks, k_pos, v_pos = _paged_cache(np.uint16)
     into = PermutedBlocks(cache, blocks, 256, 0, 256, k_pos, v_pos, 256, 64)
     with pytest.raises(FormatError, match="corrupt"):
-        decode_into_blocks(pack(header, bytes(body)), into, profile=profile, chunk_hash=HASH)
+        decode_into(pack(header, bytes(body)), BlocksDest(into), profile=profile, chunk_hash=HASH)

@@ -87,11 +87,11 @@ def _cpu_caches(layers: int, shape: tuple[int, ...], dtype: torch.dtype, stacked
 @pytest.mark.parametrize("stacked", [True, False], ids=["one-buffer", "separate"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_layout_written_by_kvcdn_reads_back_exactly(dtype, stacked):
-    from kvcdn.sdk.vllm import _PagedLayout
+    from kvcdn.sdk.vllm.layout import PagedLayout
 
     layers, heads, dim, blocks, tokens = 3, 3, 64, 12, 700
     caches = _cpu_caches(layers, (blocks, heads, BLOCK, 2 * dim), dtype, stacked)
-    paged = _PagedLayout.detect(caches, _identity(layers, heads, dim), BLOCK)
+    paged = PagedLayout.detect(caches, _identity(layers, heads, dim), BLOCK)
     assert paged.kind == "cpu"
     kv = torch.randn((layers, 2, heads, tokens, dim)).to(dtype).float()
     block_ids = [7, 2, 9]
@@ -109,13 +109,13 @@ def test_kvcdns_cpu_write_is_bit_identical_to_vllms_op(dtype, block_size):
     ``cpu_attn_reshape_and_cache``, on unrounded float32 values (so bfloat16 rounding
     is compared too), infinities and a subnormal, with writes that start and end
     inside blocks."""
-    from kvcdn.sdk.vllm import _PagedLayout
+    from kvcdn.sdk.vllm.layout import PagedLayout
 
     layers, heads, dim, blocks, tokens = 3, 3, 64, 60, 700
     shape = (blocks, heads, block_size, 2 * dim)
     ours, theirs = (_cpu_caches(layers, shape, dtype, stacked=True) for _ in range(2))
     identity = _identity(layers, heads, dim)
-    paged, reference = (_PagedLayout.detect(c, identity, block_size) for c in (ours, theirs))
+    paged, reference = (PagedLayout.detect(c, identity, block_size) for c in (ours, theirs))
     assert paged._rows is not None  # the kernel's path, not the op's
     gen = torch.Generator().manual_seed(1)
     kv = torch.randn((layers, 2, heads, tokens, dim), generator=gen) * 3
@@ -164,13 +164,13 @@ def test_permuted_write_refuses_what_does_not_fit():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_a_layout_kvcdn_does_not_know_is_refused():
     from kvcdn.errors import KvcdnError
-    from kvcdn.sdk.vllm import _PagedLayout
+    from kvcdn.sdk.vllm.layout import PagedLayout
 
     identity = _identity(1, 3, 64)
     with pytest.raises(KvcdnError, match="layout"):
-        _PagedLayout.detect({"model.layers.0.attn": torch.zeros((4, 3, 64, BLOCK))},
+        PagedLayout.detect({"model.layers.0.attn": torch.zeros((4, 3, 64, BLOCK))},
                             identity, BLOCK)  # fmt: skip
     with pytest.raises(KvcdnError, match="float KV"):
-        _PagedLayout.detect({"model.layers.0.attn": torch.zeros((4, 3, BLOCK, 128),
+        PagedLayout.detect({"model.layers.0.attn": torch.zeros((4, 3, BLOCK, 128),
                                                                 dtype=torch.int8)},
                             identity, BLOCK)  # fmt: skip

@@ -1,0 +1,46 @@
+"""``fp16``: the KV as float16, exact to what the model computed in float16 or bfloat16
+(the payload is ``L * 2 * H * T * D`` little-endian float16 values, in that order)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kvcdn.errors import FormatError
+
+from . import Codec
+from .dest import ChunkDest
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcdn.codec_profile import CodecProfile
+    from kvcdn.container import ChunkHeader
+
+
+class Fp16Codec(Codec):
+    id: ClassVar[str] = "fp16"
+    exact: ClassVar[bool] = True
+    natural_dtype: ClassVar[str] = "float16"
+
+    def encode(
+        self, kv: torch.Tensor, params: dict[str, Any], profile: CodecProfile | None, start: int
+    ) -> bytes:
+        import torch
+
+        return kv.to(torch.float16).contiguous().numpy().tobytes()
+
+    def decode_into(
+        self,
+        header: ChunkHeader,
+        payload: memoryview,
+        dest: ChunkDest,
+        profile: CodecProfile | None,
+        name: str,
+    ) -> None:
+        expected = math.prod(header.shape) * 2
+        if len(payload) != expected:
+            raise FormatError(f"{name}: fp16 payload is {len(payload)} bytes, expected {expected}")
+        dest.write_fp16(np.frombuffer(payload, dtype="<u2").reshape(header.shape))

@@ -1,0 +1,188 @@
+"""``kvcdn-rans-v1``: the calibrated ladder codec (CacheGen-style).
+
+Each group (layer, K/V, head) is quantised per lane with the codec profile's
+steps for the level, and its symbols are rANS-coded with the profile's
+frequency tables, interleaved over the lanes; the document's first
+``profile.sinks`` tokens are kept exact as float16. Payload (little-endian),
+specified in docs/format.md::
+
+    u32 G, u32 T, u32 D, u32 S     groups (layers*2*heads), tokens, head dim, exact tokens
+    u32 word_start[G + 1]          group g's words are words[word_start[g]:word_start[g+1]]
+    u32 states[G * D]              initial decoder state of every stream
+    f16 sinks[G * S * D]           the first S tokens, exact
+    u16 words[word_start[G]]       the interleaved rANS words of all groups
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kvcdn.errors import FormatError, InputError
+
+from . import Codec
+from .dest import BlocksDest, ChunkDest, TensorDest
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcdn.codec_profile import CodecProfile
+    from kvcdn.container import ChunkHeader
+
+_PREAMBLE = struct.Struct("<IIII")
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A payload's tables, checked against its header and the codec profile."""
+
+    level: str
+    groups: int
+    sinks: int  # the first tokens, stored exact
+    word_start: np.ndarray
+    states: np.ndarray
+    sink: np.ndarray  # float16 [groups, sinks, dim]
+    words: np.ndarray
+
+
+class RansCodec(Codec):
+    id: ClassVar[str] = "kvcdn-rans-v1"
+    needs_profile: ClassVar[bool] = True
+
+    def encode(
+        self, kv: torch.Tensor, params: dict[str, Any], profile: CodecProfile | None, start: int
+    ) -> bytes:
+        from kvcdn.kernels import rans_numba
+
+        if profile is None:
+            raise InputError(f"level {params.get('level')} needs the model's codec profile")
+        level = params["level"]
+        layers, two, heads, tokens, dim = kv.shape
+        lay = profile.layout
+        if (layers, heads, dim) != (lay.layers, lay.kv_heads, lay.head_dim):
+            raise InputError("the KV does not have the shape the codec profile was calibrated for")
+        groups = layers * two * heads
+        sinks = max(0, min(profile.sinks - start, tokens))
+        x = kv.float().numpy().reshape(groups, tokens, dim)
+        states, words, word_start = rans_numba.quantise_encode(
+            x[:, sinks:], *profile.quantiser(level), profile.freqs
+        )
+        sink = x[:, :sinks].astype(np.float16)
+        return b"".join(
+            (
+                _PREAMBLE.pack(groups, tokens, dim, sinks),
+                word_start.astype("<u4").tobytes(),
+                states.astype("<u4").tobytes(),
+                sink.tobytes(),
+                words.astype("<u2").tobytes(),
+            )
+        )
+
+    def decode_into(
+        self,
+        header: ChunkHeader,
+        payload: memoryview,
+        dest: ChunkDest,
+        profile: CodecProfile | None,
+        name: str,
+    ) -> None:
+        from kvcdn.kernels.rans import RansError
+
+        parts = _parts(header, payload, name, profile)
+        assert profile is not None  # _parts refuses none
+        layers, two, heads, tokens, dim = header.shape
+        s = parts.sinks
+        if s:
+            dest.window(0, s).write_fp16(
+                parts.sink.view(np.uint16).reshape(layers, two, heads, s, dim)
+            )
+        tid, scale, offset = profile.dequant(parts.level)
+        streams = (parts.words, parts.word_start, parts.states, profile.decode_tables(), tid,
+                   scale, offset)  # fmt: skip
+        try:
+            _decode_body(streams, dest, parts.groups, tokens, s, dim)
+        except RansError as exc:
+            raise FormatError(f"{name}: {exc}") from None
+
+
+def _decode_body(
+    streams: tuple[np.ndarray, ...], dest: ChunkDest, groups: int, tokens: int, s: int, dim: int
+) -> None:
+    """The coded tokens ``s ..`` into ``dest``, by the kernel that writes it straight:
+    into paged blocks, a CUDA tensor (Triton), a float32 CPU tensor; otherwise decoded
+    on the CPU and copied."""
+    import torch
+
+    from kvcdn.kernels import rans_numba
+
+    if isinstance(dest, BlocksDest):
+        rans_numba.decode_permuted(*streams, tokens - s, dest.blocks.after(s))
+        return
+    assert isinstance(dest, TensorDest)
+    body = dest.tensor.view(groups, tokens, dim)[:, s:]
+    if body.device.type == "cuda" and triton_available():
+        from kvcdn.kernels import rans_triton
+
+        rans_triton.decode(*rans_triton.to_device(*streams, body.device), body)
+    elif body.dtype == torch.float32 and body.device.type == "cpu":
+        rans_numba.decode(*streams, body.numpy())
+    else:  # another dtype, or CUDA without Triton
+        tmp = np.empty((groups, tokens - s, dim), dtype=np.float32)
+        rans_numba.decode(*streams, tmp)
+        body.copy_(torch.from_numpy(tmp))
+
+
+def _parts(
+    header: ChunkHeader, payload: memoryview, name: str, profile: CodecProfile | None
+) -> _Parts:
+    if profile is None:
+        raise FormatError(f"{name} needs a codec profile to decode, and none was given")
+    level = header.params.get("level")
+    if header.params.get("profile") != profile.sha256:
+        raise FormatError(f"{name} was encoded with another codec profile than the one given")
+    if level not in profile.levels or header.level != level:
+        raise FormatError(f"{name}: the codec profile has no level {level!r}")
+    layers, two, heads, tokens, dim = header.shape
+    lay = profile.layout
+    if (layers, two, heads, dim) != (lay.layers, 2, lay.kv_heads, lay.head_dim):
+        raise FormatError(f"{name}: shape {list(header.shape)} does not fit the codec profile")
+    groups = layers * two * heads
+    if len(payload) < _PREAMBLE.size:
+        raise FormatError(f"{name}: payload is truncated")
+    g, t, d, s = _PREAMBLE.unpack_from(payload, 0)
+    if (g, t, d) != (groups, tokens, dim) or s > tokens:
+        raise FormatError(f"{name}: payload dimensions {g, t, d, s} contradict the header")
+    off = _PREAMBLE.size
+    if len(payload) < off + 4 * (groups + 1):
+        raise FormatError(f"{name}: payload is truncated before its stream offset table ends")
+    word_start = np.frombuffer(payload, dtype="<u4", count=groups + 1, offset=off).astype(np.int64)
+    off += 4 * (groups + 1)
+    n_states = groups * dim
+    n_words = int(word_start[-1])
+    expected = off + 4 * n_states + 2 * groups * s * dim + 2 * n_words
+    if expected != len(payload):
+        raise FormatError(f"{name}: payload is {len(payload)} bytes, its tables say {expected}")
+    if word_start[0] != 0 or np.any(np.diff(word_start) < 0):
+        raise FormatError(f"{name}: stream offset table is not monotonic from 0")
+    if np.any(np.diff(word_start) > (tokens - s) * dim):
+        raise FormatError(f"{name}: a stream is longer than its symbols allow")
+    states = np.frombuffer(payload, dtype="<u4", count=n_states, offset=off).reshape(groups, dim)
+    off += 4 * n_states
+    sink = np.frombuffer(payload, dtype="<f2", count=groups * s * dim, offset=off)
+    off += 2 * groups * s * dim
+    words = np.frombuffer(payload, dtype="<u2", count=n_words, offset=off)
+    if np.any(states < (1 << 16)):
+        raise FormatError(f"{name}: a stream state is out of range")
+    return _Parts(level, groups, s, word_start, states, sink.reshape(groups, s, dim), words)
+
+
+def triton_available() -> bool:
+    """Whether the Triton decoder can run here (Triton installed, a CUDA device)."""
+    try:
+        from kvcdn.kernels import rans_triton
+    except ImportError:
+        return False
+    return rans_triton.available()

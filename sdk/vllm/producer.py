@@ -1,0 +1,71 @@
+"""vLLM as a publisher's prefill (``kvcdn publish --engine vllm``): an engine whose
+kvcdn connector captures each prompt's KV when its prefill completes."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcdn.errors import KvcdnError
+from kvcdn.models import model_identity
+
+from .config import CAPTURE_PARAM, LOAD_PARAM
+
+
+def producer_config(capture_dir: str, model: str | None = None, *, role: str = "kv_producer",
+                    **extra: Any) -> Any:  # fmt: skip
+    """vLLM's ``KVTransferConfig`` for this connector capturing into ``capture_dir``."""
+    from vllm.config import KVTransferConfig
+
+    config: dict[str, Any] = {"capture_dir": capture_dir, **extra}
+    if model is not None:
+        config["model"] = model
+    return KVTransferConfig(
+        kv_connector="KvcdnConnector", kv_connector_module_path="kvcdn.sdk.vllm", kv_role=role,
+        kv_load_failure_policy="recompute", kv_connector_extra_config=config,
+    )  # fmt: skip
+
+
+class VllmPrefill:
+    """vLLM as a publisher's prefill: ``prefill(ids)`` runs a document's tokens
+    through ``llm`` (whose kvcdn connector captures into ``capture_dir``, see
+    :func:`producer_config`) and returns their KV ``[L, 2, H, T, D]`` as float32:
+    what ``kvcdn publish --engine vllm`` encodes and publishes."""
+
+    def __init__(self, llm: Any, capture_dir: str) -> None:
+        self.llm = llm
+        self.capture_dir = Path(capture_dir)
+
+    @classmethod
+    def start(cls, model: str | None, capture_dir: str, *, block_size: int = 256,
+              **engine: Any) -> VllmPrefill:  # fmt: skip
+        """A vLLM engine for ``model`` (a kvcdn model name) with a capturing connector."""
+        from vllm import LLM
+
+        identity = model_identity(model)
+        llm = LLM(
+            model=identity.folder,
+            kv_transfer_config=producer_config(capture_dir, model or identity.name),
+            block_size=block_size, enable_prefix_caching=False,
+            max_model_len=identity.context_window, **engine,
+        )  # fmt: skip
+        return cls(llm, capture_dir)
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        from safetensors.torch import load_file
+        from vllm import SamplingParams
+
+        capture_id = uuid.uuid4().hex
+        params = SamplingParams(max_tokens=1, extra_args={
+            "kv_transfer_params": {CAPTURE_PARAM: capture_id, LOAD_PARAM: False}})  # fmt: skip
+        self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        path = self.capture_dir / f"{capture_id}.safetensors"
+        if not path.is_file():
+            raise KvcdnError("vLLM ran the prefill but its KV was not captured (see its log)")
+        try:
+            return load_file(path)["kv"]
+        finally:
+            path.unlink()

@@ -1,0 +1,195 @@
+"""The connector's worker role (vLLM's model process): loads documents' chunks into
+vLLM's blocks through the SDK's loader, reports the blocks that did not fill, captures
+prompts' KV for publishing, and times vLLM's forward passes for the load budget."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvcdn.profile_store import ProfileCache
+
+from ..loader import load_prefix_into
+from ..planner import HarmonicPredictor, plan
+from .config import ConnectorSetup
+from .layout import PagedLayout, PagedTarget, write_capture
+from .metadata import KvcdnMetadata, KvcdnWorkerMeta, LoadSpec
+
+log = logging.getLogger(__name__)
+
+#: A step that runs no model (the engine only waits for loads) waits this long for one
+#: to finish: vLLM otherwise spins such steps, and its spinning thread starves the load's
+#: threads of the GIL (a 0.1 s load took 10 s in an engine without multiprocessing).
+IDLE_STEP_WAIT_S = 0.005
+#: Forward passes of at least this many tokens are timed for the budget.
+MIN_TIMED_TOKENS = 128
+
+
+class KvcdnWorker:
+    """The worker role of :class:`~kvcdn.sdk.vllm.KvcdnConnector`."""
+
+    def __init__(self, setup: ConnectorSetup) -> None:
+        self.setup = setup
+        self.block_size = setup.block_size
+        self._writer: PagedLayout | None = None
+        self._load_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-load")
+        self._done_lock = threading.Condition()
+        self._done: dict[str, set[int]] = {}  # req_id -> blocks that failed
+        self._in_flight = 0  # loads submitted, not finished
+        self._failed_now: set[int] = set()
+        self._profiles = ProfileCache()
+        self._predictor = HarmonicPredictor()
+        self._prefill = _PrefillTimer()
+        self._told: tuple[float | None, str | None] = (None, None)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        identity = self.setup.identity
+        if not self.setup.active or identity is None:
+            return
+        try:
+            self._writer = PagedLayout.detect(kv_caches, identity, self.block_size)
+        except Exception as exc:
+            self.setup.disable(str(exc))  # the scheduler stops claiming when it hears
+            return
+        # The decode kernels load, and the store opens, now: not on a request's clock.
+        # The kernels in a thread Python joins at exit (a daemon thread inside torch
+        # code at exit aborts the process).
+        threading.Thread(target=self._writer.warm_up, name="kvcdn-warm-up").start()
+        self.setup.open_reader_soon()
+
+    def bind(self, meta: KvcdnMetadata) -> None:
+        """The step's metadata, before its forward pass: timed from here to
+        :meth:`get_finished`, after it."""
+        self._prefill.start(meta.scheduled_tokens)
+
+    def start_load_kv(self, meta: KvcdnMetadata) -> None:
+        for spec in meta.loads:
+            if spec.sync:  # vLLM reads its failed blocks after this step's forward
+                with self._prefill.paused():
+                    self._failed_now |= self._load(spec)
+            elif self._writer is None:
+                self._finish(spec.req_id, spec.unfilled(spec.start, self.block_size))
+            else:
+                with self._done_lock:
+                    self._in_flight += 1
+                self._load_pool.submit(self._load_async, spec)
+
+    def _load_async(self, spec: LoadSpec) -> None:
+        failed = self._load(spec)
+        with self._done_lock:
+            self._in_flight -= 1
+        self._finish(spec.req_id, failed)
+
+    def _load(self, spec: LoadSpec) -> set[int]:
+        """Load ``spec``; the ids of the blocks it did not fill."""
+        identity = self.setup.identity
+        if self._writer is None or identity is None:
+            return spec.unfilled(spec.start, self.block_size)
+        loaded_to = spec.start
+        try:
+            chunk = self.setup.config.chunk_tokens
+            first_chunk = spec.start // chunk
+            result = load_prefix_into(
+                PagedTarget(self._writer, spec),
+                spec.manifest,
+                self.setup.reader(),
+                chunks=(first_chunk, -(-spec.end // chunk)),
+                quality=spec.quality,
+                device=self._writer.device,
+                predictor=self._predictor,
+                policy=plan,
+                profiles=self._profiles,
+                fingerprint=identity.fingerprint,
+                deadline_s=spec.deadline_s,
+            )
+            loaded_to = min(spec.end, (first_chunk + result.loaded_chunks) * chunk)
+        except Exception as exc:
+            log.warning("kvcdn: loading %s for request %s failed: %s", spec.manifest.ref,
+                        spec.req_id, exc)  # fmt: skip
+        failed = spec.unfilled(loaded_to, self.block_size)
+        if failed:
+            log.info("kvcdn: request %s: %d of %d tokens loaded; vLLM computes the rest",
+                     spec.req_id, max(loaded_to - spec.start, 0),
+                     spec.end - spec.start)  # fmt: skip
+        return failed
+
+    def _finish(self, req_id: str, failed_blocks: set[int]) -> None:
+        with self._done_lock:
+            self._done[req_id] = failed_blocks
+            self._done_lock.notify_all()
+
+    def wait_for_save(self, meta: KvcdnMetadata) -> None:
+        if self._writer is None:
+            return
+        for spec in meta.captures:
+            try:
+                write_capture(self._writer.read(spec.block_ids, spec.tokens), spec.path)
+            except Exception as exc:
+                log.error("kvcdn: capturing request %s failed: %s", spec.req_id, exc)
+
+    def get_finished(self, meta: KvcdnMetadata | None) -> tuple[set[str] | None, set[str] | None]:
+        idle = meta is not None and meta.idle
+        self._prefill.stop()
+        with self._done_lock:
+            if idle and self._in_flight and not self._done:
+                self._done_lock.wait(IDLE_STEP_WAIT_S)
+            done, self._done = self._done, {}
+        for blocks in done.values():
+            self._failed_now |= blocks
+        return None, (set(done) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_now = self._failed_now, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KvcdnWorkerMeta | None:
+        """vLLM's prefill speed when it changed, and why this worker cannot load."""
+        news = (self._prefill.seconds_per_token, self.setup.disabled)
+        if news == self._told:
+            return None
+        self._told = news
+        return KvcdnWorkerMeta(*news)
+
+    def shutdown(self) -> None:
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _PrefillTimer:
+    """vLLM's forward passes, timed on the worker from ``bind_connector_metadata`` (before
+    the forward) to ``get_finished`` (after it), less the synchronous loads between:
+    the seconds a token of prefill takes, a moving average of passes of at least
+    :data:`MIN_TIMED_TOKENS` tokens (on a GPU, the host's view of them)."""
+
+    def __init__(self) -> None:
+        self.seconds_per_token: float | None = None
+        self._started: float | None = None
+        self._tokens = 0
+        self._excluded = 0.0
+
+    def start(self, tokens: int) -> None:
+        self._started, self._tokens, self._excluded = time.perf_counter(), tokens, 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded += time.perf_counter() - t
+
+    def stop(self) -> None:
+        if self._started is None or self._tokens < MIN_TIMED_TOKENS:
+            self._started = None
+            return
+        sample = (time.perf_counter() - self._started - self._excluded) / self._tokens
+        self._started = None
+        if sample <= 0:
+            return
+        old = self.seconds_per_token
+        self.seconds_per_token = sample if old is None else 0.7 * old + 0.3 * sample
