@@ -95,12 +95,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
 
-    import numba
     import torch
     from rich.console import Console
 
     from kvcdn.calibrate import bundled_texts
     from kvcdn.codec_profile import LADDER
+    from kvcdn.kernels import parallel
     from kvcdn.kv import DEFAULT_CHUNK_TOKENS
     from kvcdn.models import load_model
     from kvcdn.profile_store import ensure_profile
@@ -112,7 +112,7 @@ def main() -> int:
         console = Console(width=int(os.environ.get("COLUMNS", 180)))
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    parallel.set_threads(args.threads)
     chunk = args.chunk_tokens or DEFAULT_CHUNK_TOKENS
     machine = report.machine_info()
 

@@ -61,14 +61,14 @@ def _stage_medians(results: list) -> dict[str, float]:
 
 
 def serial(model, documents, levels: str, threads: int) -> dict:
-    import numba
     import torch
 
+    from kvcdn.kernels import parallel
     from kvcdn.publish import publish
     from kvcdn.store import open_store
 
     torch.set_num_threads(threads)  # PyTorch's and the codec's threads, as an actor sets them
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    parallel.set_threads(threads)
     with tempfile.TemporaryDirectory(prefix="kvcdn-bench-publish-") as tmp:
         store = open_store(str(Path(tmp) / "store"))
         results, walls = [], []
@@ -110,17 +110,17 @@ def on_ray(documents, levels: str, actors: int, threads: int) -> dict:
 
 
 def incremental(model, levels: str, repeats: int) -> dict:
-    import numba
     import torch
 
     from kvcdn.catalog import read_manifest
     from kvcdn.codec import decode_chunk
+    from kvcdn.kernels import parallel
     from kvcdn.profile_store import load_profile
     from kvcdn.publish import publish
     from kvcdn.store import open_store
 
     torch.set_num_threads(os.cpu_count() or 1)
-    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    parallel.set_threads(os.cpu_count() or 1)
     grep, other = man_page("grep"), man_page("tar")
     ids = model.document_ids(grep)
     doc = model.tokenizer.decode(ids[len(model.prefix_ids()) : 2000], skip_special_tokens=True)

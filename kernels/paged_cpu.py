@@ -1,5 +1,6 @@
 """Tokens into a paged KV cache whose blocks hold each head's tokens in a permuted order
-(vLLM's CPU attention layouts), in one parallel pass (numba).
+(vLLM's CPU attention layouts), in one parallel pass (numba kernels on
+:mod:`.parallel`'s threads).
 
 A layer's cache is viewed as ``[blocks, heads, 2, block_size * head_dim]`` (K then V
 of each head), the layers' caches as one array ``[layers, ...]`` (strided). The
@@ -12,8 +13,8 @@ a NaN (any NaN stays a NaN).
 
 One call writes a whole chunk of every layer, split over layers, heads and tokens.
 Keeping the cast and the scatter in one kernel matters on CPUs: a chain of small
-torch ops each wakes PyTorch's OpenMP team, and beside numba's own team (the
-decoder's) those wake-ups cost more than the copy. Decoders that produce values
+torch ops each wakes PyTorch's OpenMP team, and those wake-ups cost more than the
+copy. Decoders that produce values
 one by one (:func:`kvcdn.kernels.rans_numba.decode_permuted`) write through the
 same :class:`PermutedBlocks` and :func:`bf16_bits`, with no staging copy at all.
 """
@@ -21,8 +22,9 @@ same :class:`PermutedBlocks` and :func:`bf16_bits`, with no staging copy at all.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
+from . import parallel
 from .permuted import PermutedBlocks
 
 
@@ -52,13 +54,14 @@ def _half_value(h):  # pragma: no cover - jitted
     return np.uint32(bits).view(np.float32)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _write(kv, half, cache, blocks, first, lo, hi, k_pos, v_pos, to_bf16):  # pragma: no cover
+@njit(cache=True, nogil=True)
+def _write(i0, i1, kv, half, cache, blocks, first, lo, hi, k_pos, v_pos,
+           to_bf16):  # pragma: no cover  # fmt: skip
     # half / to_bf16 are run-time flags (a function argument numba cannot cache)
     layers, _, heads, _, dim = kv.shape
     tokens = hi - lo
     block_size = cache.shape[4] // dim
-    for i in prange(layers * heads * tokens):
+    for i in range(i0, i1):
         layer = i // (heads * tokens)
         h = i // tokens % heads
         t = lo + i % tokens
@@ -86,5 +89,6 @@ def write_permuted(kv: np.ndarray, into: PermutedBlocks) -> None:
         raise ValueError(f"cache {into.cache.shape} does not hold {layers} layers of {heads} heads")
     into.check(tokens, dim)
     kv = np.ascontiguousarray(kv)  # one compiled variant per dtype (a slice is copied)
-    _write(kv, kv.dtype == np.uint16, into.cache, into.blocks, into.first, into.lo, into.hi,
-           into.k_pos, into.v_pos, into.cache.dtype == np.uint16)  # fmt: skip
+    parallel.run(_write, layers * heads * (into.hi - into.lo), kv, kv.dtype == np.uint16,
+                 into.cache, into.blocks, into.first, into.lo, into.hi, into.k_pos, into.v_pos,
+                 into.cache.dtype == np.uint16)  # fmt: skip

@@ -1,8 +1,9 @@
 """CPU kernels for the interleaved rANS of :mod:`kvcdn.kernels.rans` (numba).
 
 Same inputs, outputs and bit-exact results as the numpy reference; groups
-run in parallel (``prange``), and dequantisation is fused into the decode
-loop, writing each value straight into the output view.
+run in parallel (each kernel takes a range of groups, :mod:`.parallel` runs one
+range per thread), and dequantisation is fused into the decode loop, writing
+each value straight into the output view.
 
 Bit-exactness of the fused dequantisation: ``sym * scale`` is exact in
 float32 because codec profiles keep every scale to 4 significant bits
@@ -15,8 +16,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
+from . import parallel
 from .paged_cpu import bf16_bits
 from .permuted import PermutedBlocks
 from .rans import PROB_BITS, RANS_L, RansError
@@ -47,18 +49,15 @@ def _encode_group(sym, table_id, freqs, starts, scratch, states):  # pragma: no 
     return n
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _encode(sym, table_id, freqs, starts, scratch, lengths):  # pragma: no cover - jitted
-    G, T, D = sym.shape
-    states = np.empty((G, D), dtype=np.uint32)
-    for g in prange(G):
+@njit(cache=True, nogil=True)
+def _encode(g0, g1, sym, table_id, freqs, starts, scratch, lengths, states):  # pragma: no cover
+    for g in range(g0, g1):
         lengths[g] = _encode_group(sym[g], table_id[g], freqs, starts, scratch[g], states[g])
-    return states
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _gather_words(scratch, lengths, word_start, words):  # pragma: no cover - jitted
-    for g in prange(scratch.shape[0]):
+@njit(cache=True, nogil=True)
+def _gather_words(g0, g1, scratch, lengths, word_start, words):  # pragma: no cover - jitted
+    for g in range(g0, g1):
         n = lengths[g]
         base = word_start[g]
         for i in range(n):
@@ -70,7 +69,7 @@ def _concatenate(scratch: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, 
     word_start = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=word_start[1:])
     words = np.empty(int(word_start[-1]), dtype=np.uint16)
-    _gather_words(scratch, lengths, word_start, words)
+    parallel.run(_gather_words, len(lengths), scratch, lengths, word_start, words)
     return words, word_start
 
 
@@ -89,17 +88,17 @@ def encode(
         raise RansError("a symbol has zero frequency in its table")
     scratch = np.empty((G, T * D), dtype=np.uint16)  # at most one word per symbol
     lengths = np.zeros(G, dtype=np.int64)
-    states = _encode(sym, tid, freqs32, cumulative(freqs32), scratch, lengths)
+    states = np.empty((G, D), dtype=np.uint32)
+    parallel.run(_encode, G, sym, tid, freqs32, cumulative(freqs32), scratch, lengths, states)
     return (states, *_concatenate(scratch, lengths))
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _quantise_encode(
-    x, mean, step, lo, size, table_id, freqs, starts, scratch, lengths
+    g0, g1, x, mean, step, lo, size, table_id, freqs, starts, scratch, lengths, states
 ):  # pragma: no cover
     G, T, D = x.shape
-    states = np.empty((G, D), dtype=np.uint32)
-    for g in prange(G):
+    for g in range(g0, g1):
         sym = np.empty((T, D), dtype=np.uint8)
         for t in range(T):
             for d in range(D):
@@ -113,7 +112,6 @@ def _quantise_encode(
                     q = np.float32(0.0)
                 sym[t, d] = np.uint8(q)
         lengths[g] = _encode_group(sym, table_id[g], freqs, starts, scratch[g], states[g])
-    return states
 
 
 def quantise_encode(
@@ -136,7 +134,10 @@ def quantise_encode(
     freqs32 = np.ascontiguousarray(freqs, dtype=np.uint32)
     scratch = np.empty((G, T * D), dtype=np.uint16)
     lengths = np.zeros(G, dtype=np.int64)
-    states = _quantise_encode(
+    states = np.empty((G, D), dtype=np.uint32)
+    parallel.run(
+        _quantise_encode,
+        G,
         x.astype(np.float32, copy=False),
         np.ascontiguousarray(mean, dtype=np.float32),
         np.ascontiguousarray(step, dtype=np.float32),
@@ -147,6 +148,7 @@ def quantise_encode(
         cumulative(freqs32),
         scratch,
         lengths,
+        states,
     )
     return (states, *_concatenate(scratch, lengths))
 
@@ -238,12 +240,12 @@ def _stream_ok(x, pos, end):  # pragma: no cover - jitted
     return True
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _decode(
-    words, word_start, states, lut, table_id, scale, offset, out, status
+    g0, g1, words, word_start, states, lut, table_id, scale, offset, out, status
 ):  # pragma: no cover
     G, T, D = out.shape
-    for g in prange(G):
+    for g in range(g0, g1):
         x, tab, sc, of = _lanes(states, table_id, scale, offset, g)
         nx = np.empty(D, dtype=np.uint32)
         need = np.empty(D, dtype=np.uint32)
@@ -259,8 +261,10 @@ def _decode(
         status[g] = 0 if _stream_ok(x, pos, end) else 1
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _decode_permuted(
+    g0,
+    g1,
     words,
     word_start,
     states,
@@ -283,7 +287,7 @@ def _decode_permuted(
     # group g is (layer, K|V, head) = divmod as the codec orders them: [L, 2, H]
     G, D = states.shape
     block_size = cache.shape[4] // D
-    for g in prange(G):
+    for g in range(g0, g1):
         layer = g // (2 * heads)
         kv = g // heads % 2
         h = g % heads
@@ -320,7 +324,8 @@ def decode(
 ) -> None:
     """Same contract as :func:`kvcdn.kernels.rans.decode_ref`; ``out`` may be a strided view."""
     status = np.zeros(out.shape[0], dtype=np.uint8)
-    _decode(words, word_start, states, lut, table_id, scale, offset, out, status)
+    parallel.run(_decode, out.shape[0], words, word_start, states, lut, table_id, scale, offset,
+                 out, status)  # fmt: skip
     if status.any():
         raise RansError("rANS stream does not end where it should (corrupt payload)")
 
@@ -346,8 +351,8 @@ def decode_permuted(
         raise ValueError(f"{G} groups of {D} lanes do not fit cache {into.cache.shape}")
     into.check(tokens, D)
     status = np.zeros(G, dtype=np.uint8)
-    _decode_permuted(
-        words, word_start, states, lut, table_id, scale, offset, tokens, heads,
+    parallel.run(
+        _decode_permuted, G, words, word_start, states, lut, table_id, scale, offset, tokens, heads,
         into.cache, into.blocks, into.first, into.lo, into.hi, into.k_pos, into.v_pos,
         into.cache.dtype == np.uint16, status,
     )  # fmt: skip

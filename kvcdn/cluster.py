@@ -112,13 +112,14 @@ class CorpusPublisher:
 
         if (settings.device or "cpu") == "cpu":
             # This actor's own process gets the CPUs Ray reserved for it: PyTorch's
-            # threads and the codec's numba threads alike (numba would start one per
-            # core of the machine, whose spinning slows the other actors threefold).
-            import numba
+            # threads and the codec kernels' threads alike (one per core of the machine
+            # each would slow the other actors threefold).
             import torch
 
+            from kvcdn.kernels import parallel
+
             torch.set_num_threads(settings.threads)
-            numba.set_num_threads(min(settings.threads, numba.config.NUMBA_NUM_THREADS))
+            parallel.set_threads(settings.threads)
         self.settings = settings
         self.loaded = load_model(settings.model, settings.device)
         self.store = open_store(settings.store, endpoint_url=settings.endpoint_url)

@@ -162,6 +162,8 @@ def machine_info() -> dict[str, Any]:
     import numba
     import torch
 
+    from kvcdn.kernels import parallel
+
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -178,7 +180,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "numba": numba.__version__,
-        "numba_threads": numba.get_num_threads(),
+        "kernel_threads": parallel.get_threads(),
         "numpy": np.__version__,
         "loadavg_start": list(os.getloadavg()),
     }
