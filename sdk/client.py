@@ -119,6 +119,9 @@ class Client:
         self._reader: BoundedReader | None = None
         self._reader_lock = threading.Lock()
         self._caches = _Caches(max_models)
+        self._owns_caches = True  # False for a client made by with_options
+        # a reader the caller made is the caller's to close
+        self._owns_reader = edges is not None or store is None or isinstance(store, str)
         if checks.flag(warm, "warm"):
             # The kernels in a thread Python joins at exit (a daemon thread inside
             # native code at exit aborts the process); the store's first connection in
@@ -149,12 +152,14 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Release the connections to edges and the loaded models."""
+        """Release the connections to edges, and the loaded models (a client made by
+        :meth:`with_options` leaves those to the client it shares them with)."""
         with self._reader_lock:  # after a warm-up that may be opening it
             reader, self._reader = self._reader, None
-        if reader is not None:
+        if reader is not None and self._owns_reader:
             reader.close()
-        self._caches.models.clear()
+        if self._owns_caches:
+            self._caches.models.clear()
 
     def with_options(
         self,
@@ -173,6 +178,7 @@ class Client:
             device=device if device is not None else self.device, warm=False,
         )  # fmt: skip
         other._caches = self._caches
+        other._owns_caches = False
         return other
 
     # ---- what the client holds ---------------------------------------------------
@@ -289,11 +295,7 @@ class Client:
         target = CacheTarget(loaded, manifest.token_count)
         plan_ = load.into(target, manifest, loaded, quality, deadline_s, started, seconds,
                           predictor, policy, cancel_late_fetches=cancel_late_fetches)  # fmt: skip
-        t = time.perf_counter()
-        cache = target.cache()
-        seconds["assemble"] = time.perf_counter() - t
-        plan_.ready_s = time.perf_counter() - started - seconds.get("measure_device", 0.0)
-        return Context(manifest, loaded, cache, plan_)
+        return Context(manifest, loaded, target.cache(), plan_)
 
     def load_contexts(
         self,
@@ -492,16 +494,12 @@ class _Loading:
         cancel_late_fetches: bool = True,
     ) -> LoadPlan:
         caches = self.client._caches
-        plan_ = load_into(
+        return load_into(
             target, manifest, loaded, self.reader, quality=quality, deadline_s=deadline_s,
             started=started, seconds=seconds, predictor=predictor, policy=policy or plan,
             cancel_late_fetches=cancel_late_fetches, profiles=caches.profiles,
-            speeds=caches.speeds,
+            speeds=caches.speeds, rejected_since=self._rejected_before,
         )  # fmt: skip
-        plan_.signed_by = manifest.signer.to_json() if manifest.signer else None
-        rejected = getattr(self.reader, "rejected", ())
-        plan_.rejected = [str(r) for r in rejected[self._rejected_before :]]
-        return plan_
 
 
 def _check_same_model(manifests: list[Manifest]) -> None:
@@ -553,14 +551,14 @@ def load_context(
     shares the default client's models and measurements. Keep one
     :class:`Client` (or one :class:`~kvcdn.signing.TrustPolicy`) across loads
     for rollback protection to span them."""
-    client = default_client().with_options(
+    with default_client().with_options(
         store=store, edges=edges, edge_token=edge_token, endpoint_url=endpoint_url,
         trust=trust, device=device,
-    )  # fmt: skip
-    return client.load_context(
-        source, model=model, quality=quality, deadline_s=deadline_s, predictor=predictor,
-        policy=policy, cancel_late_fetches=cancel_late_fetches,
-    )  # fmt: skip
+    ) as client:  # fmt: skip
+        return client.load_context(
+            source, model=model, quality=quality, deadline_s=deadline_s, predictor=predictor,
+            policy=policy, cancel_late_fetches=cancel_late_fetches,
+        )  # fmt: skip
 
 
 def load_contexts(
@@ -582,14 +580,14 @@ def load_contexts(
 ) -> BlendedContext:
     """:meth:`Client.load_contexts` on a client for ``store``/``edges``/``trust`` that
     shares the default client's models and measurements."""
-    client = default_client().with_options(
+    with default_client().with_options(
         store=store, edges=edges, edge_token=edge_token, endpoint_url=endpoint_url,
         trust=trust, device=device,
-    )  # fmt: skip
-    return client.load_contexts(
-        sources, model=model, blend=blend, recompute_ratio=recompute_ratio, quality=quality,
-        deadline_s=deadline_s, separator=separator, question=question,
-    )  # fmt: skip
+    ) as client:  # fmt: skip
+        return client.load_contexts(
+            sources, model=model, blend=blend, recompute_ratio=recompute_ratio,
+            quality=quality, deadline_s=deadline_s, separator=separator, question=question,
+        )  # fmt: skip
 
 
 def forget_links() -> None:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadPlan:
     """What ``load_context`` did: per chunk the level and source, the bytes, the times.
 
@@ -30,13 +30,11 @@ class LoadPlan:
 
     store: str
     level: str  # what was asked for: "auto", a level name, or "text"
-    chunk_levels: list[str]
-    bytes: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    #: Per chunk, what served its object: an edge URL, "origin" (after every
-    #: edge failed), the store's URL (no edges), or "text" (recomputed).
-    chunk_sources: list[str] = field(default_factory=list)
+    #: Per chunk: the level it was loaded at, what served it (an edge URL, "origin"
+    #: after every edge failed, the store's URL without edges, or "text":
+    #: recomputed), its bytes and times.
     chunks: list[ChunkReport] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
     deadline_s: float | None = None
     predicted_ttft_s: float | None = None
     ready_s: float = 0.0
@@ -49,6 +47,21 @@ class LoadPlan:
     signed_by: dict[str, Any] | None = None
     #: Edges that served bytes failing verification during the load (each was skipped).
     rejected: list[str] = field(default_factory=list)
+
+    @property
+    def chunk_levels(self) -> list[str]:
+        """Each chunk's level, "text" (recomputed) or "skipped"."""
+        return [c.level for c in self.chunks]
+
+    @property
+    def chunk_sources(self) -> list[str]:
+        """What served each chunk (see :attr:`chunks`)."""
+        return [c.source for c in self.chunks]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes fetched for the chunks loaded."""
+        return sum(c.bytes for c in self.chunks)
 
     @property
     def mean_quality(self) -> float | None:

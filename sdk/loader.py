@@ -32,7 +32,7 @@ from .context import LoadPlan
 from .devspeed import DeviceSpeeds, assumed_speed
 from .edges import EdgeStore
 from .planner import Policy, ThroughputPredictor
-from .streaming import ChunkReport, Pipeline, PipelineResult
+from .streaming import AppLoad, ChunkReport, EngineLoad, LoadOptions, Pipeline, PipelineResult
 from .targets import KVTarget
 
 log = logging.getLogger(__name__)
@@ -324,16 +324,31 @@ def load_into(
     cancel_late_fetches: bool = True,
     profiles: ProfileCache,
     speeds: DeviceSpeeds,
+    rejected_since: int | None = None,
 ) -> LoadPlan:
-    """Fill ``target`` with ``manifest``'s KV (checked against ``loaded`` already).
+    """Fill ``target`` with ``manifest``'s KV (checked against ``loaded`` already) and
+    :meth:`~KVTarget.finish` it; the load's report, built once.
 
     ``started`` is the ``perf_counter`` the deadline counts from (one-off
-    costs such as measuring the device move it on). Returns the load's report
-    ; ``seconds`` gains its stages.
+    costs such as measuring the device move it on); ``seconds`` holds the
+    stages before this one (resolving), and the report's gains this load's.
+    The report names the edges that served bad bytes since the reader's
+    ``rejected`` record held ``rejected_since`` entries (default: from now).
     """
+    seconds = dict(seconds)
+    if rejected_since is None:
+        rejected_since = len(getattr(reader, "rejected", ()))
     levels = check_quality(manifest, quality)
     if not levels:
-        return _recompute_into(target, manifest, loaded, reader, started, seconds, deadline_s)
+        t = time.perf_counter()
+        target.chunk(0, manifest.token_count).write(loaded.prefill(manifest.token_ids))
+        seconds["recompute"] = time.perf_counter() - t
+        ready_s = time.perf_counter() - started
+        chunks = [ChunkReport(c.index, c.end - c.start, TEXT_LEVEL, TEXT_LEVEL, 0, 0.0, ready_s,
+                              1.0) for c in manifest.chunks]  # fmt: skip
+        result = PipelineResult(chunks, 0.0, True, 0, 0, len(chunks))
+        return _report(target, manifest, reader, quality, deadline_s, started, seconds, result,
+                       None, rejected_since)  # fmt: skip
     t = time.perf_counter()
     ends_at = None if deadline_s is None else started + deadline_s
     profile, failed = _profile_or_fewer_levels(
@@ -350,43 +365,24 @@ def load_into(
     deadline_at = None
     if deadline_s is not None and quality == AUTO:
         deadline_at = started + deadline_s * (1 - DEADLINE_MARGIN) - reserve_s
-    pipeline = Pipeline(
-        manifest,
-        loaded,
-        target,
-        reader=reader,
-        profile=profile,
-        speed=speed,
-        predictor=predictor,
-        policy=policy,
-        levels=levels,
-        allow_text=quality == AUTO,
+    options = LoadOptions(
+        levels=tuple(levels),
         quality_of=quality_scores(manifest),
         deadline_at=deadline_at,
+        fetch_deadline=ends_at,
         concurrency=2 if deadline_at is not None else 4,
         cancel_late_fetches=cancel_late_fetches,
-        fetch_deadline=ends_at,
         failed_levels=failed,
     )
+    pipeline = Pipeline(manifest, target, reader, profile, speed, predictor, policy, options,
+                        AppLoad(loaded, allow_text=quality == AUTO))  # fmt: skip
     t = time.perf_counter()
     result = pipeline.run()
     seconds["load"] = time.perf_counter() - t
     head_s = t - started  # before the pipeline started
-    plan = LoadPlan(
-        store=reader.url,
-        level=quality,
-        chunk_levels=[c.level for c in result.chunks],
-        bytes=sum(c.bytes for c in result.chunks),
-        seconds=seconds,
-        chunk_sources=[c.source for c in result.chunks],
-        chunks=result.chunks,
-        deadline_s=deadline_s,
-        predicted_ttft_s=head_s + result.predicted_s + reserve_s,
-        ready_s=time.perf_counter() - started,
-        feasible=result.feasible,
-        replans=result.replans,
-        cancelled=result.cancelled,
-    )
+    predicted = head_s + result.predicted_s + reserve_s
+    plan = _report(target, manifest, reader, quality, deadline_s, started, seconds, result,
+                   predicted, rejected_since)  # fmt: skip
     refused = sum(1 for c in result.chunks if c.failed)
     if refused:
         log.warning("%s: %d chunk(s) loaded another way than planned: objects that could "
@@ -403,34 +399,29 @@ def load_into(
     return plan
 
 
-def _recompute_into(
-    target: KVTarget,
-    manifest: Manifest,
-    loaded: LoadedModel,
-    reader: Reader,
-    started: float,
-    seconds: dict[str, float],
-    deadline_s: float | None,
-) -> LoadPlan:
-    """The ``text`` level: prefill the manifest's tokens on the device."""
+def _report(
+    target: KVTarget, manifest: Manifest, reader: Reader, quality: str,
+    deadline_s: float | None, started: float, seconds: dict[str, float],
+    result: PipelineResult, predicted_ttft_s: float | None, rejected_since: int,
+) -> LoadPlan:  # fmt: skip
+    """The target finished (its cache assembled) and the load's report."""
     t = time.perf_counter()
-    target.chunk(0, manifest.token_count).write(loaded.prefill(manifest.token_ids))
-    seconds["recompute"] = time.perf_counter() - t
-    ready_s = time.perf_counter() - started
-    n = len(manifest.chunks)
+    target.finish()
+    seconds["assemble"] = time.perf_counter() - t
+    rejected = getattr(reader, "rejected", ())
     return LoadPlan(
         store=reader.url,
-        level=TEXT_LEVEL,
-        chunk_levels=[TEXT_LEVEL] * n,
-        bytes=0,
+        level=quality,
+        chunks=result.chunks,
         seconds=seconds,
-        chunk_sources=[TEXT_LEVEL] * n,
-        chunks=[
-            ChunkReport(c.index, c.end - c.start, TEXT_LEVEL, TEXT_LEVEL, 0, 0.0, ready_s, 1.0)
-            for c in manifest.chunks
-        ],
         deadline_s=deadline_s,
-        ready_s=ready_s,
+        predicted_ttft_s=predicted_ttft_s,
+        ready_s=time.perf_counter() - started,
+        feasible=result.feasible,
+        replans=result.replans,
+        cancelled=result.cancelled,
+        signed_by=manifest.signer.to_json() if manifest.signer else None,
+        rejected=[str(r) for r in rejected[rejected_since:]],
     )
 
 
@@ -468,26 +459,14 @@ def load_prefix_into(
     deadline_at = None
     if deadline_s is not None:
         deadline_at = started + deadline_s * (1 - DEADLINE_MARGIN)
-    pipeline = Pipeline(
-        manifest,
-        None,
-        target,
-        reader=reader,
-        profile=profile,
-        speed=assumed_speed(manifest),
-        predictor=predictor,
-        policy=policy,
-        levels=levels,
-        allow_text=False,
+    options = LoadOptions(
+        levels=tuple(levels),
         quality_of=quality_scores(manifest),
         deadline_at=deadline_at if quality == AUTO else None,
-        concurrency=4,
-        chunk_range=chunks,
-        partial=True,
-        give_up_at=give_up_at,
         fetch_deadline=give_up_at,
-        device=device,
     )
+    pipeline = Pipeline(manifest, target, reader, profile, assumed_speed(manifest), predictor,
+                        policy, options, EngineLoad(chunks, give_up_at, device))  # fmt: skip
     result = pipeline.run()
     log.info(
         "loaded %d of %d chunks of %s into the engine (%s) in %.3f s",

@@ -28,11 +28,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from kvcdn.codec import decode_into
 from kvcdn.errors import DeadlineExceeded, FormatError, KvcdnError, NotFound, TrustError
@@ -209,46 +209,76 @@ class _LinkMeter:
             self._since = None
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """What a load may fetch, and by when (``perf_counter`` seconds)."""
+
+    levels: tuple[str, ...]  # the stored levels it may fetch
+    quality_of: Mapping[str, float]  # each level's quality score (``text``'s too)
+    deadline_at: float | None = None  # the plan aims to have every chunk in by then
+    fetch_deadline: float | None = None  # every fetch ends by then: one not in fails
+    concurrency: int = 4  # fetches in flight
+    #: A fetch that can no longer make ``deadline_at`` is abandoned and its chunk
+    #: planned again (False for policies that never revisit a choice).
+    cancel_late_fetches: bool = True
+    failed_levels: Mapping[str, str] = field(default_factory=dict)  # unusable: level -> why
+
+
+@dataclass(frozen=True)
+class AppLoad:
+    """An app's load: every chunk ends in the target. A level that fails for a chunk is
+    dropped and the chunk planned again (another level, or recomputed by ``loaded``)."""
+
+    loaded: LoadedModel
+    allow_text: bool  # the planner may recompute chunks it could fetch
+
+    partial: ClassVar[bool] = False
+    give_up_at: ClassVar[float | None] = None
+
+    @property
+    def device(self) -> str:
+        return self.loaded.device
+
+    def chunk_range(self, chunks: int) -> tuple[int, int]:
+        return 0, chunks
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine's load: the longest run of chunks ``[first, end)`` that arrives,
+    verifies and decodes by ``give_up_at``; a chunk that fails ends it, and the engine
+    computes what is left. Nothing is recomputed here."""
+
+    chunks: tuple[int, int]
+    give_up_at: float | None
+    device: str
+
+    partial: ClassVar[bool] = True
+    loaded: ClassVar[None] = None
+    allow_text: ClassVar[bool] = False
+
+    def chunk_range(self, chunks: int) -> tuple[int, int]:
+        return self.chunks
+
+
 class Pipeline:
-    """Loads every chunk of ``manifest`` into ``target`` by ``policy``."""
+    """Loads ``manifest``'s chunks into ``target`` by ``policy``, as ``mode`` says."""
 
     def __init__(
         self,
         manifest: Manifest,
-        loaded: LoadedModel | None,
         target: KVTarget,
-        *,
         reader: Reader,
         profile: CodecProfile | None,
         speed: DeviceSpeed,
         predictor: ThroughputPredictor,
         policy: Policy,
-        levels: list[str],
-        allow_text: bool,
-        quality_of: dict[str, float],
-        deadline_at: float | None,
-        concurrency: int = 2,
-        cancel_late_fetches: bool = True,
-        chunk_range: tuple[int, int] | None = None,
-        partial: bool = False,
-        give_up_at: float | None = None,
-        fetch_deadline: float | None = None,
-        failed_levels: dict[str, str] | None = None,
-        device: str | None = None,
+        options: LoadOptions,
+        mode: AppLoad | EngineLoad,
     ) -> None:
-        """``chunk_range``: load only chunks ``[first, end)``. ``partial``: a chunk that
-        fails (its fetch from every source, its check or its decode) or is not in
-        the target by ``give_up_at`` is skipped with every chunk after it, instead
-        of failing the load: an engine that computes what is missing loads the
-        longest prefix it can get in time. Without ``partial``, a level that fails
-        is dropped for its chunk, which is planned again. ``fetch_deadline``
-        (``perf_counter`` seconds) ends every fetch: one not in by then fails.
-        ``failed_levels`` (level -> why) cannot be used for any chunk.
-        Without ``loaded`` (an engine's load, which the engine completes) nothing
-        is recomputed here, and ``device`` says where to decode."""
         self.manifest = manifest
-        self.loaded = loaded
-        self.device = device or (loaded.device if loaded is not None else "cpu")
+        self.mode = mode
+        self.options = options
         self.target = target
         self.reader = reader
         self.placement = manifest.chain_hash  # a document's objects are served together
@@ -256,21 +286,13 @@ class Pipeline:
         self.speed = speed
         self.predictor = predictor
         self.policy = policy
-        self.levels = levels
-        self.allow_text = allow_text
-        self.quality_of = quality_of
-        self.deadline_at = deadline_at
-        self.concurrency = max(1, concurrency)
-        self.cancel_late_fetches = cancel_late_fetches and deadline_at is not None
-        first, end = chunk_range or (0, len(manifest.chunks))
+        self.cancel_late_fetches = options.cancel_late_fetches and options.deadline_at is not None
+        first, end = mode.chunk_range(len(manifest.chunks))
         self.chunks = [_Chunk(c) for c in manifest.chunks[first:end]]
-        for level, why in (failed_levels or {}).items():
+        for level, why in options.failed_levels.items():
             for c in self.chunks:
                 c.unusable.add(level)
                 c.failed.append(f"{level}: {why}")
-        self.partial = partial
-        self.give_up_at = give_up_at
-        self.fetch_deadline = fetch_deadline
         self.meter = _LinkMeter(predictor)
         self.events: queue.Queue[_Event] = queue.Queue()
         # device costs as measured, corrected by what this load's device work takes
@@ -286,15 +308,16 @@ class Pipeline:
         entry = chunk.entry
         tokens = entry.end - entry.start
         options = []
-        for name in self.levels:
+        for name in self.options.levels:
             ref = entry.objects.get(name)
             if ref is None or name in chunk.unusable:
                 continue
             decode_s = self.speed.decode_seconds(self.manifest.levels[name].id, tokens)
             options.append(
-                Option(name, ref.bytes, self.quality_of[name], decode_s * self.decode_factor)
+                Option(name, ref.bytes, self.options.quality_of[name],
+                       decode_s * self.decode_factor)  # fmt: skip
             )
-        if self.allow_text or not options:
+        if self.mode.allow_text or not options:
             recompute_s = self.speed.recompute_seconds(tokens, entry.start)
             options.append(Option(TEXT, 0, 1.0, recompute_s * self.recompute_factor))
         return ChunkChoice(entry.index, tokens, tuple(options))
@@ -333,7 +356,8 @@ class Pipeline:
         return Busy(link_bytes, device_s, text_ready)
 
     def _remaining_s(self, now: float) -> float | None:
-        return None if self.deadline_at is None else self.deadline_at - now
+        deadline_at = self.options.deadline_at
+        return None if deadline_at is None else deadline_at - now
 
     def _plan(self, now: float) -> Plan:
         pending = [c for c in self.chunks if c.state is _State.PENDING]
@@ -405,7 +429,8 @@ class Pipeline:
         last_cancel = 0.0
         while any(c.state not in (_State.DONE, _State.SKIPPED) for c in self.chunks):
             now = time.perf_counter()
-            if self.give_up_at is not None and now > self.give_up_at:
+            give_up_at = self.mode.give_up_at
+            if give_up_at is not None and now > give_up_at:
                 late = [c for c in self.chunks if c.state not in (_State.DONE, _State.DEVICE,
                                                                   _State.SKIPPED)]  # fmt: skip
                 if late:  # a chunk being written is let finish
@@ -417,7 +442,7 @@ class Pipeline:
             # launch fetches, in document order
             fetching = sum(1 for c in self.chunks if c.state is _State.FETCHING)
             for c in self.chunks:
-                if fetching >= self.concurrency:
+                if fetching >= self.options.concurrency:
                     break
                 if c.state is _State.PENDING and c.planned is not None and c.planned.level != TEXT:
                     self._start_fetch(c, now)
@@ -440,7 +465,7 @@ class Pipeline:
             chunk = event.chunk
             if isinstance(event, _Failed) and event.attempt not in (None, chunk.attempt):
                 continue  # from a fetch abandoned earlier
-            if isinstance(event, _Failed) and not self.partial:
+            if isinstance(event, _Failed) and not self.mode.partial:
                 if chunk.state is _State.DEVICE:
                     device_busy = False
                     self._device_task = None
@@ -490,7 +515,7 @@ class Pipeline:
         """A level of ``c`` failed (its fetch, its check or its decode): plan the chunk
         again without it. Anything but a kvcdn error, or a failed recompute, is raised."""
         level = c.option.level if c.option is not None else ""
-        if not isinstance(error, KvcdnError) or level in ("", TEXT) or self.loaded is None:
+        if not isinstance(error, KvcdnError) or level in ("", TEXT) or self.mode.loaded is None:
             raise error
         log.warning("chunk %d of %s: its %s object cannot be used (%s); loading it another "
                     "way", c.entry.index, self.manifest.ref, level, error)  # fmt: skip
@@ -511,8 +536,9 @@ class Pipeline:
         c.attempt += 1
         c.start_s = now - self._t0
         ref = c.entry.objects[c.option.level]
-        if self.fetch_deadline is not None:  # the same instant, on the readers' clock
-            c.cancel.limit(time.monotonic() + self.fetch_deadline - time.perf_counter())
+        fetch_deadline = self.options.fetch_deadline
+        if fetch_deadline is not None:  # the same instant, on the readers' clock
+            c.cancel.limit(time.monotonic() + fetch_deadline - time.perf_counter())
         cancel, attempt = c.cancel, c.attempt
 
         def on_bytes(n: int) -> None:
@@ -578,10 +604,10 @@ class Pipeline:
         started = time.perf_counter()
         try:
             work(c)
-            if self.device.startswith("cuda"):
+            if self.mode.device.startswith("cuda"):
                 import torch
 
-                torch.cuda.synchronize(torch.device(self.device))
+                torch.cuda.synchronize(torch.device(self.mode.device))
         except BaseException as exc:
             self.events.put(_Failed(c, exc))
             return
@@ -598,9 +624,10 @@ class Pipeline:
 
     def _recompute(self, c: _Chunk) -> None:
         start, end = c.entry.start, c.entry.end
-        if self.loaded is None:
+        loaded = self.mode.loaded
+        if loaded is None:
             raise FormatError(f"chunk {c.entry.index} has no stored level to load")
-        kv = self.loaded.extend(self.target.prefix(start), c.entry.tokens)
+        kv = loaded.extend(self.target.prefix(start), c.entry.tokens)
         self.target.chunk(start, end).write(kv)
         self.target.commit(start, end)
 

@@ -42,6 +42,10 @@ class KVTarget(Protocol):
         target that stages chunks writes them to where they belong)."""
         ...
 
+    def finish(self) -> None:
+        """Every chunk is in: build what the target hands out (a cache over the KV)."""
+        ...
+
 
 class TensorTarget:
     """A document's KV in one tensor ``[L, 2, H, T, D]`` on the model's device, in its
@@ -67,6 +71,9 @@ class TensorTarget:
     def commit(self, start: int, end: int) -> None:
         pass  # chunks are decoded in place
 
+    def finish(self) -> None:
+        pass  # the tensor is the result
+
 
 class CacheTarget(TensorTarget):
     """A transformers ``DynamicCache`` filled in place: its layers are views of the
@@ -75,6 +82,13 @@ class CacheTarget(TensorTarget):
     def __init__(self, loaded: LoadedModel, tokens: int) -> None:
         super().__init__(loaded, tokens)
         self.loaded = loaded
+        self._cache: Any = None
+
+    def finish(self) -> None:
+        self._cache = self.loaded.cache_from_kv(self.kv)
 
     def cache(self) -> Any:
-        return self.loaded.cache_from_kv(self.kv)
+        """The transformers cache over the loaded KV (after :meth:`finish`)."""
+        if self._cache is None:
+            self.finish()
+        return self._cache

@@ -274,6 +274,9 @@ class PagedTarget:
     def prefix(self, end: int) -> torch.Tensor:
         raise KvcdnError("an engine's load does not recompute chunks")
 
+    def finish(self) -> None:
+        pass  # vLLM's blocks are the result
+
     def commit(self, start: int, end: int) -> None:
         staged = self._staged.pop(start, None)
         if staged is None:
