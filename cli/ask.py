@@ -183,8 +183,8 @@ def ask(
 def _check_asked(docs: list[str], question: str) -> None:
     """Names and the question, checked without the model: mistakes fail at once."""
     from kvcdn.catalog import parse_ref
+    from kvcdn.document import is_document_path
     from kvcdn.errors import InputError
-    from kvcdn.publish import is_document_path
 
     if not question.strip():
         raise InputError("the question is empty")

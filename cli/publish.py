@@ -155,8 +155,8 @@ def publish(
       kvcdn publish corpus/ --ray 10.0.0.5:6379 --store s3://bucket/kv
     """
     from kvcdn.codec import check_level_names
+    from kvcdn.document import document_and_name, expand_documents
     from kvcdn.models import load_model
-    from kvcdn.publish import document_and_name, expand_documents
     from kvcdn.publish import publish as do_publish
 
     if ray_address and Path(ray_address).exists():
@@ -204,12 +204,12 @@ def publish(
         if engine == "vllm":
             prefill = _vllm_prefill(model, stack)
         results = []
-        for path in paths:
+        for path, (text, doc_name) in zip(paths, named, strict=True):
             with _progress(not as_json) as progress:
                 results.append(
                     do_publish(
-                        path,
-                        name=name,
+                        text=text,  # read once, above
+                        name=doc_name,
                         model=loaded,
                         store=target,
                         levels=levels,
@@ -356,9 +356,9 @@ def calibrate(
     when a model has none.
     """
     from kvcdn.calibrate import calibrate as do_calibrate
+    from kvcdn.document import read_document
     from kvcdn.models import load_model
     from kvcdn.profile_store import publish_profile
-    from kvcdn.publish import read_document
 
     texts = {p.stem: read_document(p) for p in docs} or None
     target = _open(store, endpoint_url, create=True)

@@ -187,9 +187,11 @@ def newest_readable(
     above: int = 0,
     skip: bool | None = None,
     refused: list[KvcdnError] | None = None,
+    listed: list[int] | None = None,
 ) -> Manifest | None:
     """The newest listed version above ``above`` whose manifest reads (with ``trust``:
     verifies), trying at most :data:`WALK` of them; None when there is none.
+    ``listed``: the versions as the caller just listed them (else they are listed).
 
     Versions that cannot be read or verified are skipped when ``skip`` (by
     default, with ``trust``), each one's error added to ``refused`` (newest
@@ -197,7 +199,8 @@ def newest_readable(
     is damaged: the first such version is an error.
     """
     skip = trust is not None if skip is None else skip
-    candidates = [v for v in versions(store, name) if v > above][::-1][:WALK]
+    listed = versions(store, name) if listed is None else listed
+    candidates = [v for v in listed if v > above][::-1][:WALK]
     for version in candidates:
         try:
             return _read_version(store, name, version, trust)

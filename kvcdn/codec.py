@@ -23,6 +23,9 @@ from .manifest import TEXT_LEVEL
 if TYPE_CHECKING:
     import torch
 
+    from .manifest import ChunkEntry
+    from .store import Reader
+
 
 @dataclass(frozen=True)
 class Level:
@@ -144,6 +147,24 @@ def decode_into(
     header, payload = open_chunk(data, name=name, verified=verified, chunk_hash=chunk_hash)
     _decode(header, payload, dest, profile, name)
     return header
+
+
+def read_chunk(
+    reader: Reader,
+    entry: ChunkEntry,
+    level: str,
+    dest: ChunkDest,
+    *,
+    profile: CodecProfile | None = None,
+) -> ChunkHeader:
+    """Chunk ``entry``'s object at ``level``, read from ``reader`` bounded by the size its
+    manifest records, checked against its sha256, and decoded into ``dest`` (it must hold
+    the chunk it is named for): the one fetch-verify-decode of a whole object. (A load
+    streams its fetches and decodes them apart, through the same :func:`decode_into`.)"""
+    ref = entry.objects[level]
+    data = reader.get(ref.key, max_bytes=ref.bytes, check=ref.check)
+    return decode_into(data, dest, name=f"object {ref.key}", profile=profile, verified=True,
+                       chunk_hash=entry.hash)  # fmt: skip
 
 
 def decode_chunk(

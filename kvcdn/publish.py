@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from .codec import (
@@ -34,13 +34,15 @@ from .codec import (
     TEXT_LEVEL,
     Level,
     check_level_names,
-    decode_chunk,
     encode_chunk,
     is_exact,
     needs_profile,
     parse_levels,
+    read_chunk,
 )
 from .codec_profile import CodecProfile
+from .codecs import TensorDest
+from .document import document_and_name, source_digest
 from .errors import (
     ConcurrentPublish,
     FormatError,
@@ -50,14 +52,7 @@ from .errors import (
     StoreError,
     TrustError,
 )
-from .keys import (
-    MAX_VERSION,
-    check_name,
-    latest_key,
-    manifest_key,
-    name_from_filename,
-    object_key,
-)
+from .keys import MAX_VERSION, latest_key, manifest_key, object_key
 from .kv import DEFAULT_CHUNK_TOKENS, split_chunks
 from .manifest import (
     MAX_CHUNK_TOKENS,
@@ -107,94 +102,6 @@ class PublishResult:
     full_prefill_reason: str | None = None
 
 
-def read_document(path: str | Path) -> str:
-    """A document's text; clear errors for missing, empty or binary files."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file")
-    if path.is_dir():
-        raise InputError(f"{path} is a directory, not a document")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
-    return document_text(data, str(path))
-
-
-def expand_documents(paths: Sequence[str | Path]) -> list[Path]:
-    """The documents ``paths`` name, each once, in the order given: a file as is, a
-    folder as the files under it (recursively, sorted, hidden ones skipped), and a
-    glob pattern (``*``, ``?``, ``[``; ``**`` recurses) as its matches, for shells
-    that pass patterns through. A path that names nothing is an :class:`InputError`."""
-    import glob
-
-    found: dict[Path, None] = {}
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            files = sorted(
-                f for f in path.rglob("*")
-                if f.is_file() and not any(part.startswith(".") for part in
-                                           f.relative_to(path).parts)
-            )  # fmt: skip
-            if not files:
-                raise InputError(f"{path}: the folder holds no document")
-        elif path.exists() or not any(c in str(raw) for c in "*?["):
-            files = [path]  # a missing file is reported by name when it is read
-        else:
-            files = sorted(Path(f) for f in glob.glob(str(path), recursive=True))
-            files = [f for f in files if f.is_file()]
-            if not files:
-                raise InputError(f"{raw}: no file matches")
-        found.update(dict.fromkeys(files))
-    return list(found)
-
-
-def is_document_path(source: str) -> bool:
-    """Whether ``source`` names a file on this machine (a text or a name never does:
-    multi-line strings, strings longer than a path can be, and NUL bytes are not)."""
-    if "\n" in source or len(source) > 4096:
-        return False
-    try:
-        return Path(source).expanduser().is_file()
-    except (OSError, ValueError):  # a name too long for the system, a NUL byte
-        return False
-
-
-def document_text(data: bytes, what: str) -> str:
-    if b"\0" in data[:65536]:
-        raise InputError(f"{what} is a binary file; kvcdn publishes text documents")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"{what} is not UTF-8 text; kvcdn publishes text documents") from None
-    if not text.strip():
-        raise InputError(f"{what} is empty")
-    return text
-
-
-def source_digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def document_and_name(
-    path: str | Path | None, text: str | None, name: str | None
-) -> tuple[str, str]:
-    """The text to publish and its document name, checked (nothing is loaded yet)."""
-    if (path is None) == (text is None):
-        raise InputError("publish needs either a path or a text")
-    if path is not None:
-        text = read_document(path)
-        name = name or name_from_filename(Path(path).stem)
-    else:
-        if not isinstance(text, str):
-            raise InputError(f"text must be a string, not {type(text).__name__}")
-        text = document_text(text.encode("utf-8"), "the text")
-        if not name:
-            raise InputError("publishing a text needs a document name")
-    return text, check_name(name)
-
-
 def publish(
     path: str | Path | None = None,
     *,
@@ -230,6 +137,128 @@ def publish(
     (``docs/incremental.md``).
     """
     started = time.perf_counter()
+    job = _plan(path, text, name, model, store, levels, chunk_tokens, device, progress,
+                on_object, sign_keys, trust, prefill, incremental)  # fmt: skip
+    for _attempt in range(VERSION_ATTEMPTS):
+        listing = _Listing.read(job)
+        previous = listing.previous
+        if previous is not None and job.unchanged_over(previous):
+            _advance_pointer(job.store, job.name, previous.version, job.sign_keys, job.trust)
+            _write_indexes(job.store, previous)
+            return _unchanged_result(job, previous, started)
+        job.remember(previous)
+        if job.kv is None and job.missing():
+            _compute_kv(job, previous)
+        _encode_and_upload(job)
+        manifest = _commit_version(job, listing.next_version)
+        if manifest is not None:
+            break
+        log.info("%s@%d was published by someone else meanwhile; publishing as the next",
+                 job.name, listing.next_version)  # fmt: skip
+    else:
+        raise ConcurrentPublish(
+            f"other publishers of '{job.name}' took {VERSION_ATTEMPTS} versions in a row while "
+            "this one tried to publish; run the publish again"
+        )
+    _advance_pointer(job.store, job.name, manifest.version, job.sign_keys, job.trust)
+    _write_indexes(job.store, manifest)
+    job.seconds["total"] = time.perf_counter() - started
+    log.info("published %s@%d: %d chunks, %d objects uploaded", job.name, manifest.version,
+             len(job.chunks), job.uploaded)  # fmt: skip
+    return job.result(manifest)
+
+
+# ---- the stages ------------------------------------------------------------------------
+@dataclass
+class _Job:
+    """One publish: what was asked for, checked once, and what the run has done so far."""
+
+    name: str
+    text: str
+    src_sha: str
+    store: Store
+    loaded: LoadedModel
+    levels: list[Level]  # parsed once
+    profile: CodecProfile | None
+    profile_ref: ObjectRef | None
+    chunk_tokens: int
+    sign_keys: tuple[SigningKey, ...]
+    trust: TrustPolicy | None
+    progress: ProgressFn
+    on_object: Callable[[str], None]
+    prefill: Callable[[list[int]], torch.Tensor] | None
+    incremental: bool
+    ids: list[int]
+    chunks: list  # kvcdn.kv.Chunk, tokenized once
+    seconds: dict[str, float]
+    kv: torch.Tensor | None = None  # computed once, whatever the attempts
+    #: Objects known to be stored, by (chunk hash, level id): those this run uploaded
+    #: or checked, and those a trusted earlier version names.
+    stored: dict[tuple[str, str], ObjectRef] = field(default_factory=dict)
+    freshened: set[str] = field(default_factory=set)  # named by this run, not uploaded
+    uploaded: int = 0
+    uploaded_bytes: int = 0
+    prefilled: int = 0  # tokens the model computed
+    prefix_from: str | None = None  # where the KV of an unchanged prefix came from
+    full_prefill_reason: str | None = None  # why an edit was prefilled from its start
+
+    def unchanged_over(self, previous: Manifest) -> bool:
+        """The same text, model, chunks and levels as ``previous``, which is whole and
+        signed as this publish would sign it: nothing to publish."""
+        return (
+            _same_publication(previous, self.src_sha, self.loaded.fingerprint,
+                              self.chunk_tokens, self.levels)  # fmt: skip
+            and _signed_as_asked(previous, self.sign_keys)
+            and _all_stored(self.store, previous)
+        )
+
+    def remember(self, previous: Manifest | None) -> None:
+        """The objects ``previous`` names are stored (this publish reuses them), and are
+        freshened so that a concurrent gc keeps them; one gone is uploaded anew."""
+        if previous is not None:
+            for c in previous.chunks:
+                for lv_name, ref in c.objects.items():
+                    self.stored.setdefault((c.hash, previous.levels[lv_name].id), ref)
+        _freshen_reused(self.store, self.chunks, self.levels, self.stored, self.freshened)
+
+    def missing(self) -> list[tuple[Any, Level]]:
+        """(chunk, level) pairs with no stored object yet."""
+        return [(c, lv) for c in self.chunks for lv in self.levels
+                if (c.hash, lv.id) not in self.stored]  # fmt: skip
+
+    def result(self, manifest: Manifest) -> PublishResult:
+        total_objects = len(self.chunks) * len(self.levels)
+        return PublishResult(
+            name=self.name,
+            version=manifest.version,
+            manifest_key=manifest_key(self.name, manifest.version),
+            unchanged=False,
+            token_count=len(self.ids),
+            chunks=len(self.chunks),
+            uploaded_objects=self.uploaded,
+            reused_objects=total_objects - self.uploaded,
+            uploaded_bytes=self.uploaded_bytes,
+            level_bytes={n: lv.total_bytes for n, lv in manifest.levels.items()
+                         if n != TEXT_LEVEL},  # fmt: skip
+            seconds=self.seconds,
+            signed_by=[k.public.id for k in self.sign_keys],
+            prefilled_tokens=self.prefilled,
+            prefix_from=self.prefix_from,
+            full_prefill_reason=self.full_prefill_reason,
+        )
+
+
+def _plan(
+    path: str | Path | None, text: str | None, name: str | None,
+    model: str | LoadedModel | None, store: str | Store | None,
+    levels: str | list[str] | tuple[str, ...], chunk_tokens: int, device: str | None,
+    progress: ProgressFn | None, on_object: Callable[[str], None] | None,
+    sign_keys: Sequence[SigningKey], trust: TrustPolicy | None,
+    prefill: Callable[[list[int]], torch.Tensor] | None, incremental: bool,
+) -> _Job:  # fmt: skip
+    """Stage 1: every argument checked (before the model loads), the store opened, the
+    model loaded, its codec profile made or found, the levels parsed, the text
+    tokenized and chunked."""
     text, name = document_and_name(path, text, name)
     if type(chunk_tokens) is not int or not 16 <= chunk_tokens <= MAX_CHUNK_TOKENS:
         raise InputError(f"chunk size {chunk_tokens!r} is out of range (16..65536 tokens)")
@@ -241,200 +270,178 @@ def publish(
     store = store if isinstance(store, Store) else open_store(store)
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device)
     progress = progress or (lambda stage, done, total: None)
-    profile = profile_ref = None
     seconds: dict[str, float] = {}
-    if needs_profile(levels):
-        from .profile_store import ensure_profile
+    profile, profile_ref = _codec_profile(store, loaded, levels, progress, sign_keys, trust,
+                                          seconds)  # fmt: skip
+    t = time.perf_counter()
+    ids = loaded.document_ids(text)
+    loaded.check_fits(len(ids))
+    chunks = split_chunks(loaded.fingerprint, ids, chunk_tokens)
+    seconds["tokenize"] = time.perf_counter() - t
+    return _Job(
+        name=name, text=text, src_sha=source_digest(text), store=store, loaded=loaded,
+        levels=parse_levels(levels, profile), profile=profile, profile_ref=profile_ref,
+        chunk_tokens=chunk_tokens, sign_keys=sign_keys, trust=trust, progress=progress,
+        on_object=on_object or (lambda key: None), prefill=prefill, incremental=incremental,
+        ids=ids, chunks=chunks, seconds=seconds,
+    )  # fmt: skip
 
-        calibrated = False
 
-        def calibrating(stage: str, done: int, total: int) -> None:
-            nonlocal calibrated
-            calibrated = True
-            progress(f"calibrate:{stage}", done, total)
+def _codec_profile(
+    store: Store, loaded: LoadedModel, levels: str | list[str] | tuple[str, ...],
+    progress: ProgressFn, sign_keys: tuple[SigningKey, ...], trust: TrustPolicy | None,
+    seconds: dict[str, float],
+) -> tuple[CodecProfile | None, ObjectRef | None]:  # fmt: skip
+    """The model's codec profile when a level needs one: found in the store, or
+    calibrated now (a one-off, timed apart as ``calibrate``)."""
+    if not needs_profile(levels):
+        return None, None
+    from .profile_store import ensure_profile
 
-        t = time.perf_counter()
-        profile, profile_ref = ensure_profile(
-            store, loaded, calibrating, sign_keys=sign_keys, trust=trust
-        )
-        store.freshen(profile_ref.key)  # named by this version: kept from a concurrent gc
-        if calibrated:  # the model had no codec profile: a one-off, reported apart
-            seconds["calibrate"] = time.perf_counter() - t
-    chosen = parse_levels(levels, profile)
-    on_object = on_object or (lambda key: None)
-    fingerprint = loaded.fingerprint
-    src_sha = source_digest(text)
-    signed_by = [k.public.id for k in sign_keys]
+    calibrated = False
 
-    ids: list[int] | None = None
-    chunks = []
-    kv = None
-    # Objects known to be stored, by (chunk hash, level id): those this run
-    # uploaded or checked, and those a trusted earlier version names.
-    stored: dict[tuple[str, str], ObjectRef] = {}
-    freshened: set[str] = set()  # keys of objects this run names without uploading them
-    prefilled = 0  # tokens the model computed
-    prefix_from: str | None = None  # where the KV of an unchanged prefix came from
-    full_prefill_reason: str | None = None  # why an edit was prefilled from its start
-    uploaded = 0
-    uploaded_bytes = 0
-    for _attempt in range(VERSION_ATTEMPTS):
+    def calibrating(stage: str, done: int, total: int) -> None:
+        nonlocal calibrated
+        calibrated = True
+        progress(f"calibrate:{stage}", done, total)
+
+    t = time.perf_counter()
+    profile, profile_ref = ensure_profile(store, loaded, calibrating, sign_keys=sign_keys,
+                                          trust=trust)  # fmt: skip
+    store.freshen(profile_ref.key)  # named by this version: kept from a concurrent gc
+    if calibrated:
+        seconds["calibrate"] = time.perf_counter() - t
+    return profile, profile_ref
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """The document's versions as listed once for an attempt: the number the next
+    version takes, and the newest version this publisher may build on."""
+
+    next_version: int
+    previous: Manifest | None
+
+    @classmethod
+    def read(cls, job: _Job) -> _Listing:
+        store, name = job.store, job.name
+        listed = catalog.versions(store, name)
         # a removed version's number is never given again (edges and readers may hold it)
-        latest = max(catalog.latest_version(store, name) or 0, catalog.removed_version(store, name))
+        latest = max(listed[-1] if listed else 0, catalog.removed_version(store, name))
         if latest >= MAX_VERSION:
             raise StoreError(
                 f"{store.url} lists {manifest_key(name, latest)}: no version can follow it; "
                 "remove that key if this publisher did not write it"
             )
-        previous = _previous(store, name, trust)
-        if (
-            previous is not None
-            and _same_publication(previous, src_sha, fingerprint, chunk_tokens, chosen)
-            and _signed_as_asked(previous, sign_keys)
-            and _all_stored(store, previous)
-        ):
-            _advance_pointer(store, name, previous.version, sign_keys, trust)
-            _write_indexes(store, previous)
-            return PublishResult(
-                name=name,
-                version=previous.version,
-                manifest_key=manifest_key(name, previous.version),
-                unchanged=True,
-                token_count=previous.token_count,
-                chunks=len(previous.chunks),
-                reused_objects=sum(len(c.objects) for c in previous.chunks),
-                level_bytes={
-                    n: lv.total_bytes for n, lv in previous.levels.items() if n != TEXT_LEVEL
-                },
-                seconds={"total": time.perf_counter() - started},
-                signed_by=[previous.signer.key.id] if previous.signer else [],
-            )
-        if previous is not None:
-            for c in previous.chunks:
-                for lv_name, ref in c.objects.items():
-                    stored.setdefault((c.hash, previous.levels[lv_name].id), ref)
+        try:
+            previous = catalog.newest_readable(store, name, job.trust, skip=True, listed=listed)
+        except NotFound:  # removed while it was being read
+            previous = None
+        return cls(latest + 1, previous)
 
-        if ids is None:
-            t = time.perf_counter()
-            ids = loaded.document_ids(text)
-            loaded.check_fits(len(ids))
-            chunks = split_chunks(fingerprint, ids, chunk_tokens)
-            seconds["tokenize"] = time.perf_counter() - t
-        _freshen_reused(store, chunks, chosen, stored, freshened)
-        missing = [
-            (chunk, level)
-            for chunk in chunks
-            for level in chosen
-            if (chunk.hash, level.id) not in stored
-        ]
-        if missing:
-            if kv is None:
-                t = time.perf_counter()
-                prefix = None
-                if incremental:
-                    prefix, why = _stored_prefix(store, previous, ids, missing, loaded,
-                                                 prefill, profile, stored, chosen)  # fmt: skip
-                    if prefix is None and why:
-                        full_prefill_reason = why
-                        log.info("%s: a full prefill (%s)", name, why)
-                        # an object found damaged or gone is no longer reused: encoded again
-                        missing = [(chunk, level) for chunk in chunks for level in chosen
-                                   if (chunk.hash, level.id) not in stored]  # fmt: skip
-                    if prefix is not None:
-                        seconds["prefix_decode"] = time.perf_counter() - t
-                        prefix_from = f"{previous.ref} {prefix[1]}"
-                start = 0 if prefix is None else prefix[0].shape[3]
-                progress("prefill", 0, len(ids) - start)
-                if prefix is None:
-                    kv = (prefill or loaded.prefill)(ids)
-                elif start == len(ids):  # a cut at the end: every token's KV is stored
-                    kv = prefix[0]
-                else:
-                    import torch
 
-                    tail = loaded.extend(prefix[0], ids[start:])  # on the model's device
-                    kv = torch.cat([prefix[0].to(tail.device, tail.dtype), tail], dim=3)
-                _check_prefill(kv, loaded, len(ids))
-                prefilled = len(ids) - start
-                progress("prefill", prefilled, prefilled)
-                seconds["prefill"] = time.perf_counter() - t - seconds.get("prefix_decode", 0.0)
-            t = time.perf_counter()
-            t_encode = 0.0
-
-            def store_one(data: bytes, chunk_hash: str, level: Level) -> tuple[ObjectRef, bool]:
-                sha = hashlib.sha256(data).hexdigest()
-                ref = ObjectRef(object_key(chunk_hash, level.id, sha), len(data), sha)
-                written = store.put_content(ref.key, data)
-                on_object(ref.key)
-                return ref, written
-
-            with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
-                pending = []
-                for n, (chunk, level) in enumerate(missing):
-                    te = time.perf_counter()
-                    data = encode_chunk(
-                        level,
-                        kv[:, :, :, chunk.start : chunk.end],
-                        chunk.hash,
-                        profile=profile,
-                        start=chunk.start,
-                    )
-                    t_encode += time.perf_counter() - te
-                    progress("encode", n + 1, len(missing))
-                    pending.append((chunk, level, pool.submit(store_one, data, chunk.hash, level)))
-                for n, (chunk, level, future) in enumerate(pending):
-                    ref, written = future.result()
-                    stored[(chunk.hash, level.id)] = ref
-                    if written:
-                        uploaded += 1
-                        uploaded_bytes += ref.bytes
-                    else:
-                        freshened.add(ref.key)
-                    progress("upload", n + 1, len(missing))
-            seconds["encode"] = seconds.get("encode", 0.0) + t_encode
-            seconds["upload"] = seconds.get("upload", 0.0) + time.perf_counter() - t - t_encode
-
-        version = latest + 1
-        manifest = _manifest(
-            name, version, text, src_sha, loaded, ids, chunks, chosen, stored, profile,
-            profile_ref, chunk_tokens,
-        )  # fmt: skip
-        data = manifest.dumps()
-        if sign_keys:
-            data = seal(data, MANIFEST_TYPE, sign_keys)
-        if store.put_new(manifest_key(name, version), data):
-            _check_still_stored(store, manifest, freshened)
-            break
-        log.info("%s@%d was published by someone else meanwhile; publishing as the next", name,
-                 version)  # fmt: skip
+def _compute_kv(job: _Job, previous: Manifest | None) -> None:
+    """Stage 2: the document's KV: after the stored KV of an unchanged prefix when
+    there is one (incremental), else a full prefill (the reason recorded)."""
+    t = time.perf_counter()
+    prefix = None
+    if job.incremental:
+        prefix, why = _stored_prefix(job.store, previous, job.ids, job.missing(), job.loaded,
+                                     job.prefill, job.profile, job.stored, job.levels)  # fmt: skip
+        if prefix is None and why:
+            job.full_prefill_reason = why
+            log.info("%s: a full prefill (%s)", job.name, why)
+        if prefix is not None:
+            job.seconds["prefix_decode"] = time.perf_counter() - t
+            job.prefix_from = f"{previous.ref} {prefix[1]}" if previous else None
+    ids, loaded = job.ids, job.loaded
+    start = 0 if prefix is None else prefix[0].shape[3]
+    job.progress("prefill", 0, len(ids) - start)
+    if prefix is None:
+        kv = (job.prefill or loaded.prefill)(ids)
+    elif start == len(ids):  # a cut at the end: every token's KV is stored
+        kv = prefix[0]
     else:
-        raise ConcurrentPublish(
-            f"other publishers of '{name}' took {VERSION_ATTEMPTS} versions in a row while "
-            "this one tried to publish; run the publish again"
-        )
-    _advance_pointer(store, name, version, sign_keys, trust)
-    _write_indexes(store, manifest)
-    seconds["total"] = time.perf_counter() - started
-    log.info(
-        "published %s@%d: %d chunks, %d objects uploaded", name, version, len(chunks), uploaded
-    )
-    total_objects = len(chunks) * len(chosen)
+        import torch
+
+        tail = loaded.extend(prefix[0], ids[start:])  # on the model's device
+        kv = torch.cat([prefix[0].to(tail.device, tail.dtype), tail], dim=3)
+    _check_prefill(kv, loaded, len(ids))
+    job.kv = kv
+    job.prefilled = len(ids) - start
+    job.progress("prefill", job.prefilled, job.prefilled)
+    job.seconds["prefill"] = time.perf_counter() - t - job.seconds.get("prefix_decode", 0.0)
+
+
+def _encode_and_upload(job: _Job) -> None:
+    """Stage 3: every missing (chunk, level) encoded and stored under its content key,
+    uploads overlapping the encoding."""
+    missing = job.missing()
+    if not missing:
+        return
+    assert job.kv is not None
+    store, kv = job.store, job.kv
+    t = time.perf_counter()
+    t_encode = 0.0
+
+    def store_one(data: bytes, chunk_hash: str, level: Level) -> tuple[ObjectRef, bool]:
+        sha = hashlib.sha256(data).hexdigest()
+        ref = ObjectRef(object_key(chunk_hash, level.id, sha), len(data), sha)
+        written = store.put_content(ref.key, data)
+        job.on_object(ref.key)
+        return ref, written
+
+    with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
+        pending = []
+        for n, (chunk, level) in enumerate(missing):
+            te = time.perf_counter()
+            data = encode_chunk(level, kv[:, :, :, chunk.start : chunk.end], chunk.hash,
+                                profile=job.profile, start=chunk.start)  # fmt: skip
+            t_encode += time.perf_counter() - te
+            job.progress("encode", n + 1, len(missing))
+            pending.append((chunk, level, pool.submit(store_one, data, chunk.hash, level)))
+        for n, (chunk, level, future) in enumerate(pending):
+            ref, written = future.result()
+            job.stored[(chunk.hash, level.id)] = ref
+            if written:
+                job.uploaded += 1
+                job.uploaded_bytes += ref.bytes
+            else:
+                job.freshened.add(ref.key)
+            job.progress("upload", n + 1, len(missing))
+    job.seconds["encode"] = job.seconds.get("encode", 0.0) + t_encode
+    job.seconds["upload"] = (job.seconds.get("upload", 0.0) + time.perf_counter() - t
+                             - t_encode)  # fmt: skip
+
+
+def _commit_version(job: _Job, version: int) -> Manifest | None:
+    """Stage 4: the manifest created as ``version`` (create-only, signed as asked);
+    None when another publisher created that version first."""
+    manifest = _manifest(
+        job.name, version, job.text, job.src_sha, job.loaded, job.ids, job.chunks, job.levels,
+        job.stored, job.profile, job.profile_ref, job.chunk_tokens,
+    )  # fmt: skip
+    data = manifest.dumps()
+    if job.sign_keys:
+        data = seal(data, MANIFEST_TYPE, job.sign_keys)
+    if not job.store.put_new(manifest_key(job.name, version), data):
+        return None
+    _check_still_stored(job.store, manifest, job.freshened)
+    return manifest
+
+
+def _unchanged_result(job: _Job, previous: Manifest, started: float) -> PublishResult:
     return PublishResult(
-        name=name,
-        version=version,
-        manifest_key=manifest_key(name, version),
-        unchanged=False,
-        token_count=len(ids),
-        chunks=len(chunks),
-        uploaded_objects=uploaded,
-        reused_objects=total_objects - uploaded,
-        uploaded_bytes=uploaded_bytes,
-        level_bytes={n: lv.total_bytes for n, lv in manifest.levels.items() if n != TEXT_LEVEL},
-        seconds=seconds,
-        signed_by=signed_by,
-        prefilled_tokens=prefilled,
-        prefix_from=prefix_from,
-        full_prefill_reason=full_prefill_reason,
+        name=job.name,
+        version=previous.version,
+        manifest_key=manifest_key(job.name, previous.version),
+        unchanged=True,
+        token_count=previous.token_count,
+        chunks=len(previous.chunks),
+        reused_objects=sum(len(c.objects) for c in previous.chunks),
+        level_bytes={n: lv.total_bytes for n, lv in previous.levels.items() if n != TEXT_LEVEL},
+        seconds={"total": time.perf_counter() - started},
+        signed_by=[previous.signer.key.id] if previous.signer else [],
     )
 
 
@@ -509,18 +516,12 @@ def _stored_prefix(
 
             codec_profile = load_profile(store, previous.codec_profile)
         for entry in entries:
-            ref = entry.objects[level]
             try:
-                data = store.get(ref.key, max_bytes=ref.bytes, check=ref.check)
-            except (FormatError, NotFound):
+                read_chunk(store, entry, level, TensorDest(kv[:, :, :, entry.start : entry.end]),
+                           profile=codec_profile)  # fmt: skip
+            except (FormatError, NotFound):  # damaged or gone: stored anew by this publish
                 stored.pop((entry.hash, previous.levels[level].id), None)
                 raise
-            header, _ = decode_chunk(
-                data, name=f"object {ref.key}", profile=codec_profile, verified=True,
-                out=kv[:, :, :, entry.start : entry.end],
-            )  # fmt: skip
-            if header.chunk_hash != entry.hash:
-                raise FormatError(f"object {ref.key} holds another chunk than its manifest says")
     except (KvcdnError, ValueError) as exc:
         return None, f"the stored prefix of {previous.ref} cannot be used: {exc}"
     return (kv[:, :, :, :same], level), None
@@ -710,15 +711,6 @@ def _same_publication(
     )
 
 
-def _previous(store: Store, name: str, trust: TrustPolicy | None) -> Manifest | None:
-    """The newest version this publisher may build on: one it can read (with
-    ``trust``: signed by a trusted key) in the current schema; None if there is none."""
-    try:
-        return catalog.newest_readable(store, name, trust, skip=True)
-    except NotFound:  # removed while it was being read
-        return None
-
-
 def _signed_as_asked(previous: Manifest, sign_keys: Sequence[SigningKey]) -> bool:
     """A signing publisher republishes unchanged text only over a version its keys signed."""
     if not sign_keys:
@@ -744,16 +736,22 @@ def _advance_pointer(
     """
     target = version
     for _ in range(VERSION_ATTEMPTS):
-        newer = catalog.newest_readable(store, name, trust, above=target, skip=True)
-        target = newer.version if newer is not None else target
         try:
             current = catalog.read_pointer(store, name, trust)
         except (FormatError, TrustError):
             current = None  # damaged or not ours to believe: rewritten
+        if current is not None and current.version > target:
+            # moved on by another publisher? never back, but only to a version that reads
+            newer = catalog.newest_readable(store, name, trust, above=target, skip=True)
+            if newer is not None:
+                target = newer.version
+                continue
         if current is None or current.version != target:
             data = pointer_bytes(name, target)
             if sign_keys:
                 data = seal(data, POINTER_TYPE, sign_keys)
             store.put(latest_key(name), data)
-        if catalog.newest_readable(store, name, trust, above=target, skip=True) is None:
+        newer = catalog.newest_readable(store, name, trust, above=target, skip=True)
+        if newer is None:
             return
+        target = newer.version

@@ -192,19 +192,9 @@ class ReaderBase:
         placement: str | None = None,
     ) -> bytes:
         """The bytes of ``key``: :meth:`fetch` without progress, cancel or source."""
-        return self.fetch(key, max_bytes=max_bytes, check=check, placement=placement).data
-
-    def fetch(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-        on_bytes: Callable[[int], None] | None = None,
-        cancel: Cancel | None = None,
-    ) -> Fetched:
-        raise NotImplementedError
+        return self.fetch(  # type: ignore[attr-defined]  # every reader's own
+            key, max_bytes=max_bytes, check=check, placement=placement
+        ).data
 
 
 class Store(ReaderBase):

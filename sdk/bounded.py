@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvcdn.errors import DeadlineExceeded, StoreError
-from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, Reader, ReaderBase
+from kvcdn.store import Cancel, FetchCancelled, Fetched, Reader, ReaderBase
 
 log = logging.getLogger(__name__)
 
@@ -90,24 +90,12 @@ class BoundedReader(ReaderBase):
         return view
 
     # ---- the Reader protocol ------------------------------------------------------
-    def fetch(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-        on_bytes: Callable[[int], None] | None = None,
-        cancel: Cancel | None = None,
-    ) -> Fetched:
+    def fetch(self, key: str, *, cancel: Cancel | None = None, **options: Any) -> Fetched:
+        """The inner reader's fetch (its options as :meth:`Reader.fetch`'s), given up at
+        ``cancel``'s deadline or this view's, whichever is sooner."""
         cancel = self._cancel(cancel)
         return self._run(
-            f"reading {key}",
-            lambda: self.inner.fetch(
-                key, max_bytes=max_bytes, check=check, placement=placement, on_bytes=on_bytes,
-                cancel=cancel,
-            ),  # fmt: skip
-            cancel,
+            f"reading {key}", lambda: self.inner.fetch(key, cancel=cancel, **options), cancel
         )
 
     def list(self, prefix: str = "") -> list[str]:

@@ -12,19 +12,20 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvcdn import catalog
 from kvcdn.codec import TEXT_LEVEL, is_exact, uses_profile
 from kvcdn.codec_profile import CodecProfile
+from kvcdn.document import document_text, is_document_path, read_document, source_digest
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, KvcdnError, NotFound
 from kvcdn.keys import NAME_PATTERN
 from kvcdn.kv import split_chunks
 from kvcdn.manifest import Manifest
 from kvcdn.models import LoadedModel, ModelIdentity
 from kvcdn.profile_store import ProfileCache, load_profile
-from kvcdn.publish import document_text, is_document_path, read_document, source_digest
 from kvcdn.signing import TrustPolicy
-from kvcdn.store import Cancel, Check, Fetched, Reader, ReaderBase, Store, open_store
+from kvcdn.store import Fetched, Reader, ReaderBase, Store, open_store
 
 from . import checks
 from .bounded import BoundedReader
@@ -100,20 +101,9 @@ class TimedReader(ReaderBase):
         self.local = getattr(inner, "local", False)
         self.reads: list[tuple[int, float]] = []
 
-    def fetch(
-        self,
-        key: str,
-        *,
-        max_bytes: int | None = None,
-        check: Check | None = None,
-        placement: str | None = None,
-        on_bytes: Callable[[int], None] | None = None,
-        cancel: Cancel | None = None,
-    ) -> Fetched:
-        got = self.inner.fetch(
-            key, max_bytes=max_bytes, check=check, placement=placement, on_bytes=on_bytes,
-            cancel=cancel,
-        )  # fmt: skip
+    def fetch(self, key: str, **options: Any) -> Fetched:
+        """The inner reader's fetch (its options as :meth:`Reader.fetch`'s), timed."""
+        got = self.inner.fetch(key, **options)
         self.reads.append((len(got.data), got.seconds))
         return got
 

@@ -16,7 +16,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from kvcdn.catalog import read_manifest, read_pointer, versions
-from kvcdn.publish import publish, source_digest
+from kvcdn.document import source_digest
+from kvcdn.publish import publish
 from kvcdn.store import open_store
 from tests.conftest import all_intact
 

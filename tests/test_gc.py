@@ -13,10 +13,11 @@ import pytest
 
 from kvcdn import sdk
 from kvcdn.catalog import find_by_prefix, find_by_source, read_manifest, read_pointer, versions
+from kvcdn.document import source_digest
 from kvcdn.errors import InputError, NotFound
 from kvcdn.gc import ReferencesUnknown, collect, remove
 from kvcdn.keys import latest_key, parse_key, prefix_index_key, source_index_key
-from kvcdn.publish import publish, source_digest
+from kvcdn.publish import publish
 from kvcdn.store import open_store
 from tests.conftest import all_intact
 

@@ -11,9 +11,10 @@ from click.testing import CliRunner
 
 from kvcdn import sdk
 from kvcdn.cli.main import cli
+from kvcdn.document import document_and_name
 from kvcdn.errors import ArgumentError, DocumentTooLong, InputError
 from kvcdn.keys import check_name, manifest_key, name_from_filename, parse_key
-from kvcdn.publish import document_and_name, publish
+from kvcdn.publish import publish
 from kvcdn.store import open_store
 from tests.cli_json import parsed
 from tests.edge_helpers import EdgeProcess

@@ -15,8 +15,9 @@ import pytest
 from kvcdn import sdk
 from kvcdn.catalog import read_manifest, versions
 from kvcdn.cluster import CorpusDocument, PublishSettings, publish_on_ray
+from kvcdn.document import document_and_name, expand_documents
 from kvcdn.keys import parse_key
-from kvcdn.publish import document_and_name, expand_documents, publish
+from kvcdn.publish import publish
 from kvcdn.store import open_store
 from tests.cli_json import parsed
 

@@ -18,11 +18,12 @@ import pytest
 
 from kvcdn import sdk
 from kvcdn.catalog import read_manifest
+from kvcdn.document import source_digest
 from kvcdn.errors import FormatError, IntegrityError, RollbackError, StoreError, TrustError
 from kvcdn.keys import latest_key, manifest_key, profile_key, source_index_key
 from kvcdn.manifest import pointer_bytes
 from kvcdn.profile_store import publish_profile
-from kvcdn.publish import publish, source_digest
+from kvcdn.publish import publish
 from kvcdn.sdk.loader import open_reader
 from kvcdn.signing import TrustPolicy
 from kvcdn.store import open_store

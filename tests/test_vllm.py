@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 
 from kvcdn import keys
+from kvcdn.document import read_document
 from kvcdn.kv import chain_hash
 from kvcdn.manifest import pointer_bytes
 from kvcdn.models import kv_from_cache, user_message
-from kvcdn.publish import publish, read_document
+from kvcdn.publish import publish
 from kvcdn.store import open_store
 from tests.cli_json import parsed
 from tests.conftest import REPO, SED_MANUAL, free_port
