@@ -90,12 +90,6 @@ def removed_version(store: Reader, name: str) -> int:
     return version
 
 
-def latest_version(store: Reader, name: str) -> int | None:
-    """The newest complete version, by listing (authoritative; the pointer may lag)."""
-    found = versions(store, name)
-    return found[-1] if found else None
-
-
 def read_pointer(store: Reader, name: str, trust: TrustPolicy | None = None) -> Pointer | None:
     """``latest.json`` of ``name`` (None when there is none), signed by a trusted key
     when ``trust`` is given."""

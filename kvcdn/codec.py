@@ -185,8 +185,9 @@ def decode_chunk(
 
     header, payload = open_chunk(data, name=name, verified=verified, chunk_hash=chunk_hash)
     if out is None:
-        dtype = getattr(torch, codec_for(header.codec, name).natural_dtype)
-        out = torch.empty(header.shape, dtype=dtype, device=device)
+        codec = codec_for(header.codec, name)
+        codec.check_payload(header, payload, profile, name)  # before a tensor is allocated
+        out = torch.empty(header.shape, dtype=getattr(torch, codec.natural_dtype), device=device)
     _decode(header, payload, TensorDest(out), profile, name)
     return header, out
 

@@ -262,7 +262,7 @@ def _plan(
     text, name = document_and_name(path, text, name)
     if type(chunk_tokens) is not int or not 16 <= chunk_tokens <= MAX_CHUNK_TOKENS:
         raise InputError(f"chunk size {chunk_tokens!r} is out of range (16..65536 tokens)")
-    check_level_names(levels)  # spelling mistakes fail before the model loads
+    names = check_level_names(levels)  # spelling mistakes fail before the model loads
     sign_keys = tuple(sign_keys)
     if sign_keys:
         own = [k.public for k in sign_keys]
@@ -271,7 +271,7 @@ def _plan(
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device)
     progress = progress or (lambda stage, done, total: None)
     seconds: dict[str, float] = {}
-    profile, profile_ref = _codec_profile(store, loaded, levels, progress, sign_keys, trust,
+    profile, profile_ref = _codec_profile(store, loaded, names, progress, sign_keys, trust,
                                           seconds)  # fmt: skip
     t = time.perf_counter()
     ids = loaded.document_ids(text)
@@ -280,7 +280,7 @@ def _plan(
     seconds["tokenize"] = time.perf_counter() - t
     return _Job(
         name=name, text=text, src_sha=source_digest(text), store=store, loaded=loaded,
-        levels=parse_levels(levels, profile), profile=profile, profile_ref=profile_ref,
+        levels=parse_levels(names, profile), profile=profile, profile_ref=profile_ref,
         chunk_tokens=chunk_tokens, sign_keys=sign_keys, trust=trust, progress=progress,
         on_object=on_object or (lambda key: None), prefill=prefill, incremental=incremental,
         ids=ids, chunks=chunks, seconds=seconds,
@@ -288,7 +288,7 @@ def _plan(
 
 
 def _codec_profile(
-    store: Store, loaded: LoadedModel, levels: str | list[str] | tuple[str, ...],
+    store: Store, loaded: LoadedModel, levels: list[str],
     progress: ProgressFn, sign_keys: tuple[SigningKey, ...], trust: TrustPolicy | None,
     seconds: dict[str, float],
 ) -> tuple[CodecProfile | None, ObjectRef | None]:  # fmt: skip
@@ -736,22 +736,17 @@ def _advance_pointer(
     """
     target = version
     for _ in range(VERSION_ATTEMPTS):
+        # a newer readable version first: the pointer never moves back, even for a moment
+        newer = catalog.newest_readable(store, name, trust, above=target, skip=True)
+        target = newer.version if newer is not None else target
         try:
             current = catalog.read_pointer(store, name, trust)
         except (FormatError, TrustError):
             current = None  # damaged or not ours to believe: rewritten
-        if current is not None and current.version > target:
-            # moved on by another publisher? never back, but only to a version that reads
-            newer = catalog.newest_readable(store, name, trust, above=target, skip=True)
-            if newer is not None:
-                target = newer.version
-                continue
         if current is None or current.version != target:
             data = pointer_bytes(name, target)
             if sign_keys:
                 data = seal(data, POINTER_TYPE, sign_keys)
             store.put(latest_key(name), data)
-        newer = catalog.newest_readable(store, name, trust, above=target, skip=True)
-        if newer is None:
+        if catalog.newest_readable(store, name, trust, above=target, skip=True) is None:
             return
-        target = newer.version

@@ -440,6 +440,9 @@ def load_prefix_into(
     ``quality="auto"`` and a deadline, each chunk's level is planned to arrive
     in time, from the link's throughput as measured while it loads.
     """
+    if manifest.model_fingerprint != fingerprint:  # the caller's full check covers the rest
+        raise FingerprintMismatch(f"{manifest.ref} holds KV of model {manifest.model_name}, "
+                                  "not of the one this engine serves")  # fmt: skip
     levels = check_quality(manifest, quality)
     if not levels:
         raise InputError("an engine loads stored levels; 'text' is the engine's own prefill")

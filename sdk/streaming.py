@@ -223,6 +223,10 @@ class LoadOptions:
     cancel_late_fetches: bool = True
     failed_levels: Mapping[str, str] = field(default_factory=dict)  # unusable: level -> why
 
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, not {self.concurrency}")
+
 
 @dataclass(frozen=True)
 class AppLoad:

@@ -56,6 +56,14 @@ class Codec(ABC):
         ``start``."""
 
     @abstractmethod
+    def check_payload(
+        self, header: ChunkHeader, payload: memoryview, profile: CodecProfile | None, name: str
+    ) -> None:
+        """Refuse a payload whose lengths and tables contradict ``header`` (or the
+        profile), before anything is allocated for it (:class:`FormatError`);
+        :meth:`decode_into` checks as much again before it writes."""
+
+    @abstractmethod
     def decode_into(
         self,
         header: ChunkHeader,
@@ -88,7 +96,7 @@ def codec_for(codec_id: str, name: str = "chunk object") -> Codec:
     """The codec named ``codec_id``; :class:`FormatError` naming ``name`` otherwise."""
     codec = _REGISTRY.get(codec_id)
     if codec is None:
-        raise FormatError(f"{name} uses codec '{codec_id}', which this kvcdn cannot decode")
+        raise FormatError(f"{name} uses codec '{codec_id}', which this kvcdn does not know")
     return codec
 
 

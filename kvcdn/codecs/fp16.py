@@ -32,6 +32,13 @@ class Fp16Codec(Codec):
 
         return kv.to(torch.float16).contiguous().numpy().tobytes()
 
+    def check_payload(
+        self, header: ChunkHeader, payload: memoryview, profile: CodecProfile | None, name: str
+    ) -> None:
+        expected = math.prod(header.shape) * 2
+        if len(payload) != expected:
+            raise FormatError(f"{name}: fp16 payload is {len(payload)} bytes, expected {expected}")
+
     def decode_into(
         self,
         header: ChunkHeader,
@@ -40,7 +47,5 @@ class Fp16Codec(Codec):
         profile: CodecProfile | None,
         name: str,
     ) -> None:
-        expected = math.prod(header.shape) * 2
-        if len(payload) != expected:
-            raise FormatError(f"{name}: fp16 payload is {len(payload)} bytes, expected {expected}")
+        self.check_payload(header, payload, profile, name)
         dest.write_fp16(np.frombuffer(payload, dtype="<u2").reshape(header.shape))

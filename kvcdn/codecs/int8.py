@@ -34,6 +34,18 @@ class Int8Codec(Codec):
         raw = scales.contiguous().numpy().tobytes() + q.contiguous().numpy().tobytes()
         return zstandard.ZstdCompressor(level=int(params.get("zstd_level", 3))).compress(raw)
 
+    def check_payload(
+        self, header: ChunkHeader, payload: memoryview, profile: CodecProfile | None, name: str
+    ) -> None:
+        layers, two, heads, tokens, dim = header.shape
+        expected = layers * two * heads * dim * 4 + math.prod(header.shape)
+        try:
+            declared = zstandard.get_frame_parameters(payload).content_size
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"{name}: int8 payload is not a zstd frame: {exc}") from None
+        if declared not in (expected, zstandard.CONTENTSIZE_UNKNOWN):
+            raise FormatError(f"{name}: int8 payload declares {declared} bytes")
+
     def decode_into(
         self,
         header: ChunkHeader,

@@ -81,6 +81,11 @@ class RansCodec(Codec):
             )
         )
 
+    def check_payload(
+        self, header: ChunkHeader, payload: memoryview, profile: CodecProfile | None, name: str
+    ) -> None:
+        _parts(header, payload, name, profile)
+
     def decode_into(
         self,
         header: ChunkHeader,
