@@ -175,12 +175,8 @@ def _read_manifests(
                 open_manifest(data, name=f"manifest {key}", trust=trust)
         except NotFound:
             return Problem(key, "missing", "listed, then gone (removed meanwhile?)")
-        except TrustError as exc:
-            return Problem(key, "untrusted", _line(exc))
-        except FormatError as exc:
-            return Problem(key, "damaged", _line(exc))
-        except StoreError as exc:  # this one key: the rest of the store is still checked
-            return Problem(key, "unreadable", _line(exc))
+        except _READ_FAILURES as exc:  # this one key: the rest of the store is still checked
+            return Problem(key, _kind(exc), _line(exc))
         if (manifest.name, manifest.version) != (name, version):
             return Problem(key, "damaged", f"it holds {manifest.ref}, not {name}@{version}")
         return manifest
@@ -212,10 +208,8 @@ def _check_objects(
                 size += len(piece)
         except NotFound:
             return 0, "missing", "not in the store"
-        except FormatError as exc:
-            return size, "damaged", _line(exc)
-        except StoreError as exc:
-            return size, "unreadable", _line(exc)
+        except (FormatError, StoreError) as exc:
+            return size, _kind(exc), _line(exc)
         if size != ref.bytes:
             return size, "damaged", f"{size} bytes, the manifest says {ref.bytes}"
         if digest.hexdigest() != ref.sha256:
@@ -253,14 +247,8 @@ def _check_pointer(
             open_pointer(data, what=key, trust=trust)
     except NotFound:
         return  # readers take the newest listed version: nothing to fix
-    except TrustError as exc:
-        report.problems.append(Problem(key, "untrusted", _line(exc)))
-        return
-    except FormatError as exc:
-        report.problems.append(Problem(key, "damaged", _line(exc)))
-        return
-    except StoreError as exc:
-        report.problems.append(Problem(key, "unreadable", _line(exc)))
+    except _READ_FAILURES as exc:
+        report.problems.append(Problem(key, _kind(exc), _line(exc)))
         return
     if pointer.name != name:
         report.problems.append(Problem(key, "damaged", f"it points at {pointer.name}"))
@@ -282,11 +270,8 @@ def _check_index_entries(store: Store, stored: dict[str, list[int]], report: Sto
             pointer = open_pointer(store.get(key, max_bytes=MAX_POINTER_BYTES), what=key)
         except NotFound:
             continue
-        except FormatError as exc:
-            report.problems.append(Problem(key, "damaged", _line(exc)))
-            continue
-        except StoreError as exc:
-            report.problems.append(Problem(key, "unreadable", _line(exc)))
+        except (FormatError, StoreError) as exc:
+            report.problems.append(Problem(key, _kind(exc), _line(exc)))
             continue
         if pointer.version not in stored.get(pointer.name, ()):
             report.problems.append(Problem(
@@ -303,10 +288,8 @@ def _find_orphans(store: Store, named: set[str], report: StoreCheck) -> None:
         if info is not None and info.kind == "profile-pointer":
             try:
                 current.add(read_profile_pointer(store, key).key)
-            except StoreError as exc:
-                report.problems.append(Problem(key, "unreadable", _line(exc)))
             except KvcdnError as exc:
-                report.problems.append(Problem(key, "damaged", _line(exc)))
+                report.problems.append(Problem(key, _kind(exc), _line(exc)))
     for prefix in (keys.OBJECTS_PREFIX, keys.PROFILES_PREFIX, keys.CLOCK_PREFIX):
         for key, size in sorted(store.list_sizes(prefix).items()):
             info = keys.parse_key(key)
@@ -314,6 +297,19 @@ def _find_orphans(store: Store, named: set[str], report: StoreCheck) -> None:
             if (ours or key.startswith(keys.CLOCK_PREFIX)) and key not in named | current:
                 report.orphans.append(key)
                 report.orphan_bytes += size
+
+
+#: what reading an entry can fail with, short of its absence (caught first: "missing")
+_READ_FAILURES = (TrustError, FormatError, StoreError)
+
+
+def _kind(exc: KvcdnError) -> str:
+    """The kind of problem a read's error makes of its entry."""
+    if isinstance(exc, TrustError):
+        return "untrusted"
+    if isinstance(exc, StoreError):
+        return "unreadable"  # this one key: the rest of the store is still checked
+    return "damaged"
 
 
 def _line(exc: BaseException) -> str:
