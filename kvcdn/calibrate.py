@@ -164,7 +164,7 @@ def calibrate(
     for i, lname in enumerate(levels):
         progress("verify", i, len(levels))
         specs[lname].quality = _verify(model, profile, lname, samples)
-        profile._bytes = None  # the quality figures are part of the profile
+        profile.changed()  # the quality figures are part of the profile
     progress("verify", len(levels), len(levels))
     return profile
 

@@ -162,7 +162,7 @@ def read_chunk(
     the chunk it is named for): the one fetch-verify-decode of a whole object. (A load
     streams its fetches and decodes them apart, through the same :func:`decode_into`.)"""
     ref = entry.objects[level]
-    data = reader.get(ref.key, max_bytes=ref.bytes, check=ref.check)
+    data = reader.get(ref)
     return decode_into(data, dest, name=f"object {ref.key}", profile=profile, verified=True,
                        chunk_hash=entry.hash)  # fmt: skip
 

@@ -74,7 +74,7 @@ def load_profile(
     data = local.read_bytes() if local.is_file() else None
     if data is None or hashlib.sha256(data).hexdigest() != ref.sha256:
         try:
-            data = store.get(ref.key, max_bytes=ref.bytes, check=ref.check, placement=placement)
+            data = store.get(ref, placement=placement)
         except NotFound:
             raise NotFound(f"codec profile {ref.key} is missing from {store.url}") from None
         _write_local(ref.sha256, data)

@@ -27,13 +27,16 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 from urllib.parse import urlsplit
 
 import fsspec
 
 from . import keys, paths
 from .errors import FormatError, InputError, NotFound, StoreError
+
+if TYPE_CHECKING:
+    from .manifest import ObjectRef
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,23 @@ class Cancel:
         return left is not None and left <= 0
 
 
+def read_bounds(
+    key: str | ObjectRef, max_bytes: int | None, check: Check | None
+) -> tuple[str, int | None, Check | None]:
+    """What a read of ``key`` is: an :class:`~kvcdn.manifest.ObjectRef` is its key, read
+    at most its size and checked against its size and sha256 (where the caller gives
+    neither bound nor check of its own); a plain key is read as asked."""
+    if isinstance(key, str):
+        return key, max_bytes, check
+    return (key.key, key.bytes if max_bytes is None else max_bytes,
+            key.check if check is None else check)  # fmt: skip
+
+
+def key_of(key: str | ObjectRef) -> str:
+    """The store key a read is of (for messages)."""
+    return key if isinstance(key, str) else key.key
+
+
 @dataclass
 class Fetched:
     """The bytes of one key, and what served them."""
@@ -151,18 +171,19 @@ class Reader(Protocol):
 
     def get(
         self,
-        key: str,
+        key: str | ObjectRef,
         *,
         max_bytes: int | None = None,
         check: Check | None = None,
         placement: str | None = None,
     ) -> bytes:
-        """The bytes of ``key``."""
+        """The bytes of ``key`` (a key, or an :class:`~kvcdn.manifest.ObjectRef`: its key,
+        read at most its size and checked against its sha256)."""
         ...
 
     def fetch(
         self,
-        key: str,
+        key: str | ObjectRef,
         *,
         max_bytes: int | None = None,
         check: Check | None = None,
@@ -185,7 +206,7 @@ class ReaderBase:
 
     def get(
         self,
-        key: str,
+        key: str | ObjectRef,
         *,
         max_bytes: int | None = None,
         check: Check | None = None,
@@ -251,7 +272,7 @@ class Store(ReaderBase):
     # ---- reading ---------------------------------------------------------------
     def fetch(
         self,
-        key: str,
+        key: str | ObjectRef,
         *,
         max_bytes: int | None = None,
         check: Check | None = None,
@@ -263,6 +284,7 @@ class Store(ReaderBase):
         ``max_bytes`` is refused once one byte more has arrived), reporting each and
         stopping between two when ``cancel`` is set; ``check`` runs on what was read."""
         started = time.perf_counter()
+        key, max_bytes, check = read_bounds(key, max_bytes, check)
         pieces: list[bytes] = []
         for piece in self.pieces(key, max_bytes=max_bytes, cancel=cancel):
             pieces.append(piece)

@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvcdn.errors import DeadlineExceeded, StoreError
-from kvcdn.store import Cancel, FetchCancelled, Fetched, Reader, ReaderBase
+from kvcdn.manifest import ObjectRef
+from kvcdn.store import Cancel, FetchCancelled, Fetched, Reader, ReaderBase, key_of
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +91,16 @@ class BoundedReader(ReaderBase):
         return view
 
     # ---- the Reader protocol ------------------------------------------------------
-    def fetch(self, key: str, *, cancel: Cancel | None = None, **options: Any) -> Fetched:
+    def fetch(
+        self, key: str | ObjectRef, *, cancel: Cancel | None = None, **options: Any
+    ) -> Fetched:
         """The inner reader's fetch (its options as :meth:`Reader.fetch`'s), given up at
         ``cancel``'s deadline or this view's, whichever is sooner."""
         cancel = self._cancel(cancel)
         return self._run(
-            f"reading {key}", lambda: self.inner.fetch(key, cancel=cancel, **options), cancel
-        )
+            f"reading {key_of(key)}", lambda: self.inner.fetch(key, cancel=cancel, **options),
+            cancel,
+        )  # fmt: skip
 
     def list(self, prefix: str = "") -> list[str]:
         return self._run(f"listing {prefix or '/'}", lambda: self.inner.list(prefix),

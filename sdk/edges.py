@@ -48,8 +48,8 @@ from kvcdn.errors import (
     StoreError,
 )
 from kvcdn.keys import manifest_key, parse_key
-from kvcdn.manifest import MAX_OBJECT_BYTES, Manifest
-from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, ReaderBase, Store
+from kvcdn.manifest import MAX_OBJECT_BYTES, Manifest, ObjectRef
+from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, ReaderBase, Store, read_bounds
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class EdgeStore(ReaderBase):
     # ---- reading ---------------------------------------------------------------
     def fetch(
         self,
-        key: str,
+        key: str | ObjectRef,
         *,
         max_bytes: int | None = None,
         check: Check | None = None,
@@ -247,7 +247,8 @@ class EdgeStore(ReaderBase):
         on_bytes: Callable[[int], None] | None = None,
         cancel: Cancel | None = None,
     ) -> Fetched:
-        """Read ``key`` from the first edge that serves it well (then the origin).
+        """Read ``key`` (or an :class:`ObjectRef`'s, bounded and checked by it) from the
+        first edge that serves it well (then the origin).
 
         At most ``max_bytes`` are read from any source (default: the largest
         object a manifest may name), and ``check`` must pass on them. The body
@@ -255,6 +256,7 @@ class EdgeStore(ReaderBase):
         setting ``cancel`` stops the read (:class:`FetchCancelled`).
         """
         started = time.perf_counter()
+        key, max_bytes, check = read_bounds(key, max_bytes, check)
         limit = MAX_OBJECT_BYTES if max_bytes is None else max_bytes
         info = parse_key(key)
         if self.documents_from_origin and info is not None and info.kind in _DOCUMENT_KINDS:

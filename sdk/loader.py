@@ -21,7 +21,7 @@ from kvcdn.document import document_text, is_document_path, read_document, sourc
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, KvcdnError, NotFound
 from kvcdn.keys import NAME_PATTERN
 from kvcdn.kv import split_chunks
-from kvcdn.manifest import Manifest
+from kvcdn.manifest import Manifest, ObjectRef
 from kvcdn.models import LoadedModel, ModelIdentity
 from kvcdn.profile_store import ProfileCache, load_profile
 from kvcdn.signing import TrustPolicy
@@ -101,7 +101,7 @@ class TimedReader(ReaderBase):
         self.local = getattr(inner, "local", False)
         self.reads: list[tuple[int, float]] = []
 
-    def fetch(self, key: str, **options: Any) -> Fetched:
+    def fetch(self, key: str | ObjectRef, **options: Any) -> Fetched:
         """The inner reader's fetch (its options as :meth:`Reader.fetch`'s), timed."""
         got = self.inner.fetch(key, **options)
         self.reads.append((len(got.data), got.seconds))

@@ -552,10 +552,8 @@ class Pipeline:
 
         def work() -> None:
             try:
-                got = self.reader.fetch(
-                    ref.key, max_bytes=ref.bytes, check=ref.check, placement=self.placement,
-                    on_bytes=on_bytes, cancel=cancel,
-                )  # fmt: skip
+                got = self.reader.fetch(ref, placement=self.placement, on_bytes=on_bytes,
+                                        cancel=cancel)  # fmt: skip
                 if not cancel.is_set():
                     c.data, c.source = got.data, got.source
                 self.events.put(_Fetched(c, attempt))

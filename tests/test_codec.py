@@ -284,7 +284,7 @@ def test_profile_for_another_model_is_refused(profile, default_object, model):
         profile.check_model("f" * 64)
     other = parse_profile(profile.to_bytes())
     other.model_fingerprint = "f" * 64
-    other._bytes = None
+    other.changed()
     with pytest.raises(FormatError, match="another codec profile"):
         decode_chunk(default_object, profile=other)
     with pytest.raises(FormatError, match="needs a codec profile"):

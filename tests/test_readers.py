@@ -88,6 +88,24 @@ def test_a_cancelled_fetch_stops(reader):
         reader.fetch(KEY, cancel=cancel)
 
 
+def test_an_object_ref_is_read_bounded_and_checked_by_itself(reader):
+    """``fetch`` and ``get`` take a manifest's ObjectRef: its key, at most its size, its
+    sha256 checked; the same through the SDK's deadline-bounded view."""
+    import hashlib
+
+    from kvcdn.manifest import ObjectRef
+    from kvcdn.sdk.bounded import BoundedReader
+
+    ref = ObjectRef(KEY, len(DATA), hashlib.sha256(DATA).hexdigest())
+    for source in (reader, BoundedReader(reader).within(None)):
+        assert source.get(ref) == DATA
+        assert source.fetch(ref).key == KEY
+        with pytest.raises(FormatError):  # the object is larger than its ref says
+            source.fetch(ObjectRef(KEY, len(DATA) - 1, ref.sha256))
+        with pytest.raises(IntegrityError):  # its bytes are not the ones the ref names
+            source.get(ObjectRef(KEY, len(DATA), "0" * 64))
+
+
 def test_listing_finds_the_key(reader):
     prefix = KEY.split("/", 1)[0] + "/"
     assert KEY in reader.list(prefix)
