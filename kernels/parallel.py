@@ -10,16 +10,24 @@ numba's other layer (``workqueue``) avoids that but decodes 1.4-2x slower; choos
 it would also change numba for the whole host process. Plain threads running
 ``nogil`` kernels give the OpenMP layer's decode speed and leave PyTorch alone.
 
-Threads: :func:`set_threads`, else ``NUMBA_NUM_THREADS`` when set, else the CPUs
-this process may run on. Where the host binds OpenMP threads to CPUs
-(``GOMP_CPU_AFFINITY`` or ``OMP_PLACES``, as vLLM's CPU workers do), the calling
-thread is bound to the first of them and threads it starts inherit that one CPU:
-the kernels' own threads are then bound one to each of the host's places, as the
-OpenMP runtime binds its threads, so that they do not all share one CPU.
+Threads: :func:`set_threads`, else ``NUMBA_NUM_THREADS`` when set, else the CPUs of
+the host's OpenMP places (below), else the CPUs this process may run on.
+
+Where the host binds OpenMP threads to CPUs (vLLM's CPU workers set
+``GOMP_CPU_AFFINITY``, ``OMP_PLACES`` or ``KMP_AFFINITY=...proclist=[...]``), the
+OpenMP runtime binds the process's main thread to the first place, and every thread
+started from it inherits that one CPU: the kernels' own threads are then bound one
+to each following place, as the OpenMP runtime binds its threads, so that they do
+not all share one CPU. Only explicit lists are read (``0 1 2``, ``0-7:2``,
+``{0,1},{2,3}``, ``proclist=[0-3]``); abstract places (``cores``, ``threads(4)``),
+intervals (``{0:4}``) and anything else bind nothing. CPUs that do not exist are
+dropped; one outside the process's cpuset is refused by the kernel and the thread
+keeps its CPUs.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -33,24 +41,58 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
-_started = 0  # pool threads started (each takes the next place)
+_place_index = itertools.count(1)  # pool threads take places 1, 2, ... (0: the main thread)
+_SPAN = re.compile(r"(\d{1,6})(?:-(\d{1,6})(?::(\d{1,6}))?)?")
 
 
-def _places() -> list[int]:
-    """The CPUs the host binds OpenMP threads to, in order (empty: it binds none)."""
-    spec = os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("OMP_PLACES") or ""
+def _cpu_list(spec: str) -> list[int] | None:
+    """The CPUs of a plain list (``0 1 2``, ``0,1``, ``0-3``, ``0-7:2``), in order; None
+    for anything else."""
     cpus: list[int] = []
-    for first, last in re.findall(r"(\d+)(?:-(\d+))?", spec):
-        cpus.extend(range(int(first), int(last or first) + 1))
-    return list(dict.fromkeys(cpus))
+    for token in re.split(r"[\s,]+", spec.strip()):
+        span = _SPAN.fullmatch(token)
+        if span is None:
+            return None
+        first = int(span[1])
+        last = int(span[2]) if span[2] else first
+        step = int(span[3]) if span[3] else 1
+        if last < first or step < 1:
+            return None
+        cpus.extend(range(first, last + 1, step))
+    return list(dict.fromkeys(cpus)) or None
+
+
+def _host_places() -> list[frozenset[int]]:
+    """Where the host's OpenMP runtime binds its threads, one set of CPUs per thread in
+    order (OMP_PLACES first, as the runtimes read it); empty where it binds none or
+    says so in a form not read here."""
+    env = os.environ
+    if env.get("OMP_PROC_BIND", "").strip().lower() == "false":
+        return []
+    places: list[frozenset[int]] = []
+    if spec := env.get("OMP_PLACES", "").strip():
+        if re.fullmatch(r"\{[^{}]*\}(\s*,\s*\{[^{}]*\})*", spec) is None:
+            return []
+        for group in re.findall(r"\{([^{}]*)\}", spec):
+            cpus = _cpu_list(group)
+            if cpus is None or "-" in group:  # OMP_PLACES lists CPUs, not GOMP's ranges
+                return []
+            places.append(frozenset(cpus))
+    elif spec := env.get("GOMP_CPU_AFFINITY", "").strip():
+        places = [frozenset({cpu}) for cpu in _cpu_list(spec) or []]
+    elif found := re.search(r"proclist=\[([^\]]*)\]", env.get("KMP_AFFINITY", "")):
+        places = [frozenset({cpu}) for cpu in _cpu_list(found[1]) or []]
+    existing = os.cpu_count() or 1
+    places = [frozenset(c for c in place if c < existing) for place in places]
+    return [place for place in places if place]
 
 
 def _default_threads() -> int:
     configured = os.environ.get("NUMBA_NUM_THREADS", "")
     if configured.isdigit() and int(configured) > 0:
         return int(configured)
-    if _places():
-        return len(_places())
+    if places := _host_places():
+        return len(frozenset().union(*places))
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -58,15 +100,16 @@ def _default_threads() -> int:
 
 
 _threads = _default_threads()
+_threads_set = False  # by set_threads: kept in a forked child
 
 
 def set_threads(n: int) -> None:
     """Run kernels on ``n`` threads (the caller's included) from now on, in this process
     (a publishing actor given ``n`` CPUs)."""
-    global _threads
+    global _threads, _threads_set
     if type(n) is not int or n < 1:
         raise ValueError(f"threads must be a positive integer, not {n!r}")
-    _threads = n
+    _threads, _threads_set = n, True
 
 
 def get_threads() -> int:
@@ -76,62 +119,83 @@ def get_threads() -> int:
 
 def run(kernel: Callable[..., Any], items: int, *args: Any) -> None:
     """``kernel(start, end, *args)`` over ``[0, items)`` split into one range per thread:
-    the first range on the calling thread, the others on the pool's, all waited for
-    (the first error is raised once all have ended). Where no pool thread can be had
-    (the interpreter is exiting), every range runs on the calling thread."""
+    the first range on the calling thread, the others on the pool's. Every range has
+    ended when this returns or raises (the calling thread's error first, else the
+    first range's that failed). Ranges the pool cannot take (the interpreter is
+    exiting) run on the calling thread."""
     parts = min(_threads, items)
     if parts <= 1:
         kernel(0, items, *args)
         return
     bounds = [items * i // parts for i in range(parts + 1)]
+    ranges = [(bounds[i], bounds[i + 1]) for i in range(parts)]
     futures = []
-    for i in range(1, parts):
-        try:
-            futures.append(_workers(parts - 1).submit(kernel, bounds[i], bounds[i + 1], *args))
-        except RuntimeError:  # the interpreter shuts its pools down: no new threads
-            kernel(bounds[i], bounds[i + 1], *args)
     try:
-        kernel(bounds[0], bounds[1], *args)
-    finally:
-        errors = [f.exception() for f in futures]  # waits for every range
-    for error in errors:
-        if error is not None:
-            raise error
+        pool = _workers(parts - 1)
+        while len(ranges) > 1:
+            futures.append(pool.submit(kernel, *ranges[-1], *args))
+            ranges.pop()  # only once the pool holds it
+    except RuntimeError:  # exiting: refused before anything was queued
+        pass
+    error: BaseException | None = None
+    try:
+        for start, end in ranges:
+            kernel(start, end, *args)
+    except BaseException as exc:  # raised below, once every range has ended
+        error = exc
+    for future in futures:
+        failed = future.exception()  # waits
+        if error is None:
+            error = failed
+    if error is not None:
+        raise error
 
 
 def _workers(n: int) -> ThreadPoolExecutor:
-    """A pool of at least ``n`` threads (Python joins them at exit: a thread inside a
-    kernel then finishes it first). A smaller pool is left to finish what it holds,
-    never shut down under a caller that is submitting to it."""
+    """A pool of at least ``n`` threads, all started (Python joins them at exit: a
+    thread inside a kernel then finishes it first). Started up front, so that a later
+    ``submit`` never starts a thread: one that failed to would already have queued
+    its work. A smaller pool is left to finish what it holds, never shut down under
+    a caller that is submitting to it. RuntimeError where threads cannot start."""
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size < n:
-            _pool = ThreadPoolExecutor(n, thread_name_prefix="kvcdn-kernel",
-                                       initializer=_bind_to_a_place)  # fmt: skip
-            _pool_size = n
+            pool = ThreadPoolExecutor(n, thread_name_prefix="kvcdn-kernel",
+                                      initializer=_bind_to_a_place)  # fmt: skip
+            ready = threading.Barrier(n + 1)
+            try:
+                for _ in range(n):  # none is idle yet: each submit starts a thread
+                    pool.submit(ready.wait)
+                ready.wait(timeout=30)
+            except (RuntimeError, threading.BrokenBarrierError) as exc:
+                ready.abort()
+                pool.shutdown(wait=False)
+                raise RuntimeError(f"kernel threads could not start: {exc}") from None
+            _pool, _pool_size = pool, n
         return _pool
 
 
 def _bind_to_a_place() -> None:
     """A new pool thread takes the next of the host's OpenMP places (none: it keeps the
     CPUs it inherited)."""
-    global _started
-    places = _places()
-    with _lock:
-        _started += 1
-        index = _started
+    places = _host_places()
     if not places:
         return
+    place = places[next(_place_index) % len(places)]
     try:
-        os.sched_setaffinity(0, {places[index % len(places)]})
-    except (AttributeError, OSError) as exc:  # not on Linux, or a CPU outside the cpuset
+        os.sched_setaffinity(0, place)
+    except (AttributeError, OSError) as exc:  # not on Linux, or CPUs outside the cpuset
         log.debug("kernel thread keeps its CPUs: %s", exc)
 
 
 def _forget_pool_in_child() -> None:
-    """A forked child has none of its parent's pool threads: it starts its own."""
-    global _pool, _pool_size, _lock
+    """A forked child has none of its parent's pool threads: it starts its own, bound
+    afresh, and sizes them by its own environment unless told a number."""
+    global _pool, _pool_size, _lock, _place_index, _threads
     _pool, _pool_size, _lock = None, 0, threading.Lock()
+    _place_index = itertools.count(1)
+    if not _threads_set:
+        _threads = _default_threads()
 
 
 if hasattr(os, "register_at_fork"):

@@ -79,15 +79,19 @@ class CodecProfile:
     table_size: np.ndarray  # int32 [n_tables]: symbols in use (the rest have frequency 0)
     levels: dict[str, LevelSpec]
     calibration: dict[str, Any] = field(default_factory=dict)
-    _bytes: bytes | None = field(default=None, repr=False, compare=False)
-    _sha256: str | None = field(default=None, repr=False, compare=False)
-    _decode_tables: Any = field(default=None, repr=False, compare=False)
-    _per_level: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # derived, cached: never copied by dataclasses.replace (init=False), reset by changed()
+    _bytes: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    _sha256: str | None = field(default=None, init=False, repr=False, compare=False)
+    _decode_tables: Any = field(default=None, init=False, repr=False, compare=False)
+    _per_level: dict[str, Any] = field(default_factory=dict, init=False, repr=False,
+                                       compare=False)  # fmt: skip
 
     # ---- identity ----------------------------------------------------------
     def changed(self) -> None:
-        """Forget the serialised bytes and their hash, after a field was changed."""
-        self._bytes = self._sha256 = None
+        """Forget what was derived from the fields (bytes, hash, kernel tables), after
+        one was changed."""
+        self._bytes = self._sha256 = self._decode_tables = None
+        self._per_level = {}
 
     def to_bytes(self) -> bytes:
         if self._bytes is None:

@@ -132,12 +132,20 @@ def read_bounds(
     key: str | ObjectRef, max_bytes: int | None, check: Check | None
 ) -> tuple[str, int | None, Check | None]:
     """What a read of ``key`` is: an :class:`~kvcdn.manifest.ObjectRef` is its key, read
-    at most its size and checked against its size and sha256 (where the caller gives
-    neither bound nor check of its own); a plain key is read as asked."""
+    at most its size (or the caller's smaller bound) and checked against its size and
+    sha256 (then by the caller's check, if any); a plain key is read as asked."""
     if isinstance(key, str):
         return key, max_bytes, check
-    return (key.key, key.bytes if max_bytes is None else max_bytes,
-            key.check if check is None else check)  # fmt: skip
+    ref, extra = key, check
+    bound = ref.bytes if max_bytes is None else min(max_bytes, ref.bytes)
+    if extra is None:
+        return ref.key, bound, ref.check
+
+    def both(data: bytes) -> None:
+        ref.check(data)
+        extra(data)
+
+    return ref.key, bound, both
 
 
 def key_of(key: str | ObjectRef) -> str:

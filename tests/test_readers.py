@@ -104,6 +104,10 @@ def test_an_object_ref_is_read_bounded_and_checked_by_itself(reader):
             source.fetch(ObjectRef(KEY, len(DATA) - 1, ref.sha256))
         with pytest.raises(IntegrityError):  # its bytes are not the ones the ref names
             source.get(ObjectRef(KEY, len(DATA), "0" * 64))
+        with pytest.raises(KvcdnError, match="refused these bytes"):  # both checks run
+            source.get(ref, check=_fail)
+        with pytest.raises(IntegrityError, match="does not match"):  # the ref's, first
+            source.get(ObjectRef(KEY, len(DATA), "0" * 64), check=lambda data: None)
 
 
 def test_listing_finds_the_key(reader):
