@@ -146,6 +146,7 @@ def publish(
             _advance_pointer(job.store, job.name, previous.version, job.sign_keys, job.trust)
             _write_indexes(job.store, previous)
             return _unchanged_result(job, previous, started)
+        job.tokenize()  # not before: an unchanged republish needs no tokens
         job.remember(previous)
         if job.kv is None and job.missing():
             _compute_kv(job, previous)
@@ -188,9 +189,9 @@ class _Job:
     on_object: Callable[[str], None]
     prefill: Callable[[list[int]], torch.Tensor] | None
     incremental: bool
-    ids: list[int]
-    chunks: list  # kvcdn.kv.Chunk, tokenized once
     seconds: dict[str, float]
+    ids: list[int] = field(default_factory=list)  # by tokenize(), once
+    chunks: list = field(default_factory=list)  # kvcdn.kv.Chunk, by tokenize()
     kv: torch.Tensor | None = None  # computed once, whatever the attempts
     #: Objects known to be stored, by (chunk hash, level id): those this run uploaded
     #: or checked, and those a trusted earlier version names.
@@ -201,6 +202,16 @@ class _Job:
     prefilled: int = 0  # tokens the model computed
     prefix_from: str | None = None  # where the KV of an unchanged prefix came from
     full_prefill_reason: str | None = None  # why an edit was prefilled from its start
+
+    def tokenize(self) -> None:
+        """The text tokenized, checked against the model's window and chunked, once."""
+        if self.chunks:
+            return
+        t = time.perf_counter()
+        self.ids = self.loaded.document_ids(self.text)
+        self.loaded.check_fits(len(self.ids))
+        self.chunks = split_chunks(self.loaded.fingerprint, self.ids, self.chunk_tokens)
+        self.seconds["tokenize"] = time.perf_counter() - t
 
     def unchanged_over(self, previous: Manifest) -> bool:
         """The same text, model, chunks and levels as ``previous``, which is whole and
@@ -257,8 +268,7 @@ def _plan(
     prefill: Callable[[list[int]], torch.Tensor] | None, incremental: bool,
 ) -> _Job:  # fmt: skip
     """Stage 1: every argument checked (before the model loads), the store opened, the
-    model loaded, its codec profile made or found, the levels parsed, the text
-    tokenized and chunked."""
+    model loaded, its codec profile made or found, the levels parsed."""
     text, name = document_and_name(path, text, name)
     if type(chunk_tokens) is not int or not 16 <= chunk_tokens <= MAX_CHUNK_TOKENS:
         raise InputError(f"chunk size {chunk_tokens!r} is out of range (16..65536 tokens)")
@@ -273,17 +283,12 @@ def _plan(
     seconds: dict[str, float] = {}
     profile, profile_ref = _codec_profile(store, loaded, names, progress, sign_keys, trust,
                                           seconds)  # fmt: skip
-    t = time.perf_counter()
-    ids = loaded.document_ids(text)
-    loaded.check_fits(len(ids))
-    chunks = split_chunks(loaded.fingerprint, ids, chunk_tokens)
-    seconds["tokenize"] = time.perf_counter() - t
     return _Job(
         name=name, text=text, src_sha=source_digest(text), store=store, loaded=loaded,
         levels=parse_levels(names, profile), profile=profile, profile_ref=profile_ref,
         chunk_tokens=chunk_tokens, sign_keys=sign_keys, trust=trust, progress=progress,
         on_object=on_object or (lambda key: None), prefill=prefill, incremental=incremental,
-        ids=ids, chunks=chunks, seconds=seconds,
+        seconds=seconds,
     )  # fmt: skip
 
 
