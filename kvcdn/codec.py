@@ -16,9 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from .codec_profile import LADDER, CodecProfile
 from .codecs import ChunkDest, TensorDest, codec_for, known_codec, rans
-from .container import ChunkHeader, pack, unpack
+from .container import (
+    FORMAT_VERSION,
+    Body,
+    ChunkHeader,
+    Part,
+    pack,
+    pack_sections,
+    parse_index,
+    unpack,
+)
 from .errors import FormatError, InputError
-from .manifest import TEXT_LEVEL
+from .manifest import TEXT_LEVEL, IndexRef, ObjectRef, ObjectSpan
 
 if TYPE_CHECKING:
     import torch
@@ -113,8 +122,10 @@ def encode_chunk(
     *,
     profile: CodecProfile | None = None,
     start: int = 0,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
-    """One chunk's KV ``[L, 2, H, T, D]`` -> a complete container object.
+    """One chunk's KV ``[L, 2, H, T, D]`` -> a complete container object (of format
+    ``version``: 2, in sections a reader can fetch apart; 1, one payload).
 
     ``start`` is the chunk's first token position in its document (the first
     ``profile.sinks`` positions are kept exact).
@@ -123,17 +134,81 @@ def encode_chunk(
     if codec.needs_profile and profile is None:
         raise InputError(f"level {level.name} needs the model's codec profile")
     header = ChunkHeader(level.codec, level.name, level.params, tuple(kv.shape), chunk_hash)
-    return pack(header, codec.encode(kv.detach().cpu(), level.params, profile, start))
+    kv = kv.detach().cpu()
+    if version == 1:
+        return pack(header, codec.encode(kv, level.params, profile, start))
+    return pack_sections(header, codec.encode_sections(kv, level.params, profile, start))
+
+
+def object_ref(key: str, data: bytes) -> ObjectRef:
+    """The manifest's reference to the object ``data`` stored under ``key``: its size
+    and sha256, and for a version-2 object its index's size and digest."""
+    from .container import index_size
+
+    sha = hashlib.sha256(data).hexdigest()
+    n = index_size(data)
+    index = None if n is None else IndexRef(n, bytes(data[n - 32 : n]).hex())
+    return ObjectRef(key, len(data), sha, index)
+
+
+@dataclass(frozen=True)
+class PartRead:
+    """Part of a version-2 object as a reader fetched it: its header and the sections of
+    the part, each checked against the index its manifest records."""
+
+    header: ChunkHeader
+    body: Body
+    part: Part
+    nbytes: int  # bytes fetched: the index and the sections
+    source: str  # what served the sections (an edge URL, "origin", a store's URL)
+
+
+def read_part(reader: Reader, ref: ObjectRef, part: Part, *, name: str,
+              **fetch_options: Any) -> PartRead:  # fmt: skip
+    """``part`` of the version-2 object ``ref`` names: its index, checked against the
+    digest ``ref`` records, then the byte runs holding the part's sections, each
+    section checked against its sha256 in the index before it is kept. A source that
+    serves bad bytes fails its check (an edge reader then tries the next)."""
+    if ref.index is None:
+        raise FormatError(f"{name} is a version-1 object: it is read whole")
+    digest = ref.index.sha256
+
+    def index_holds(data: bytes) -> None:
+        parse_index(data, name=name, object_size=ref.bytes, digest=digest)
+
+    got = reader.fetch(ObjectSpan(ref, 0, ref.index.bytes), check=index_holds, **fetch_options)
+    index = parse_index(got.data, name=name, object_size=ref.bytes, digest=digest,
+                        verify_digest=False)  # fmt: skip
+    if not part.fits(index.header.shape):
+        raise FormatError(f"{name}: part {part} is not within shape {list(index.header.shape)}")
+    nbytes = len(got.data)
+    sections: dict[int, memoryview] = {}
+    for start, end, ids in index.runs(part.section_ids(index.header.shape[0])):
+
+        def run_holds(data: bytes, start: int = start, ids: list[int] = ids) -> None:
+            view = memoryview(data)
+            for i in ids:
+                at = index.offsets[i] - start
+                index.check_section(i, view[at : at + index.lengths[i]], name)
+
+        got = reader.fetch(ObjectSpan(ref, start, end), check=run_holds, **fetch_options)
+        view = memoryview(got.data)
+        nbytes += len(got.data)
+        for i in ids:
+            at = index.offsets[i] - start
+            sections[i] = view[at : at + index.lengths[i]]
+    return PartRead(index.header, Body(2, sections=sections), part, nbytes, got.source)
 
 
 def decode_into(
-    data: bytes,
+    data: bytes | PartRead,
     dest: ChunkDest,
     *,
     name: str = "chunk object",
     profile: CodecProfile | None = None,
     verified: bool = False,
     chunk_hash: str | None = None,
+    part: Part | None = None,
 ) -> ChunkHeader:
     """A container object decoded into ``dest`` (a tensor view or paged blocks): the
     one decode path. ``verified=True`` says the caller has checked ``data`` against a
@@ -143,9 +218,12 @@ def decode_into(
 
     Values are written as they are decoded: a rANS stream found corrupt at its end
     (which its sha256 cannot catch when its publisher made it so) raises after
-    writing, and the caller must treat ``dest`` as not loaded."""
-    header, payload = open_chunk(data, name=name, verified=verified, chunk_hash=chunk_hash)
-    _decode(header, payload, dest, profile, name)
+    writing, and the caller must treat ``dest`` as not loaded.
+
+    ``part`` (default: all of it) is the layers and heads ``dest`` holds; ``data`` is
+    the whole object, or that part of it as :func:`read_part` fetched it."""
+    header, body = open_chunk(data, name=name, verified=verified, chunk_hash=chunk_hash)
+    _decode(header, body, dest, profile, name, part)
     return header
 
 
@@ -183,32 +261,58 @@ def decode_chunk(
     header and the tensor."""
     import torch
 
-    header, payload = open_chunk(data, name=name, verified=verified, chunk_hash=chunk_hash)
+    header, body = open_chunk(data, name=name, verified=verified, chunk_hash=chunk_hash)
     if out is None:
         codec = codec_for(header.codec, name)
-        codec.check_payload(header, payload, profile, name)  # before a tensor is allocated
+        whole = Part.whole(header.shape[0], header.shape[2])
+        if body.payload is not None:  # checked before a tensor is allocated
+            codec.check_payload(header, body.payload, profile, name)
+        else:
+            assert body.sections is not None
+            codec.check_sections(header, body.sections, whole, profile, name)
         out = torch.empty(header.shape, dtype=getattr(torch, codec.natural_dtype), device=device)
-    _decode(header, payload, TensorDest(out), profile, name)
+    _decode(header, body, TensorDest(out), profile, name, None)
     return header, out
 
 
-def _decode(header: ChunkHeader, payload: memoryview, dest: ChunkDest,
-            profile: CodecProfile | None, name: str) -> None:  # fmt: skip
+def _decode(header: ChunkHeader, body: Body, dest: ChunkDest, profile: CodecProfile | None,
+            name: str, part: Part | None) -> None:  # fmt: skip
     codec = codec_for(header.codec, name)
-    dest.check(header.shape, name)  # before anything is written
-    codec.decode_into(header, payload, dest, profile, name)
+    part = part or Part.whole(header.shape[0], header.shape[2])
+    if not part.fits(header.shape):
+        raise FormatError(f"{name}: part {part} is not within shape {list(header.shape)}")
+    dest.check(part.shape(header.shape), name)  # before anything is written
+    if body.sections is not None:
+        codec.decode_sections(header, body.sections, part, dest, profile, name)
+        return
+    assert body.payload is not None
+    if part.is_whole(header.shape):
+        codec.decode_into(header, body.payload, dest, profile, name)
+        return
+    # A version-1 object has no sections: decoded whole, the part kept.
+    import torch
+
+    codec.check_payload(header, body.payload, profile, name)
+    staged = torch.empty(header.shape, dtype=torch.float32)
+    codec.decode_into(header, body.payload, TensorDest(staged), profile, name)
+    (l0, l1), (h0, h1) = part.layers, part.heads
+    dest.write(staged[l0:l1, :, h0:h1].contiguous())
 
 
 def open_chunk(
-    data: bytes, *, name: str = "chunk object", verified: bool = False,
+    data: bytes | PartRead, *, name: str = "chunk object", verified: bool = False,
     chunk_hash: str | None = None,
-) -> tuple[ChunkHeader, memoryview]:  # fmt: skip
-    """A container's header and payload, its digest checked (unless ``verified``) and
-    the chunk it holds checked against ``chunk_hash`` (when given)."""
-    header, payload = unpack(data, name=name, verify_digest=not verified)
+) -> tuple[ChunkHeader, Body]:  # fmt: skip
+    """A container's header and body, its digests checked (unless ``verified``) and
+    the chunk it holds checked against ``chunk_hash`` (when given). A part read was
+    checked section by section as it arrived."""
+    if isinstance(data, PartRead):
+        header, body = data.header, data.body
+    else:
+        header, body = unpack(data, name=name, verify_digest=not verified)
     if chunk_hash is not None and header.chunk_hash != chunk_hash:
         raise FormatError(f"{name} holds another chunk than its manifest says")
-    return header, payload
+    return header, body
 
 
 def is_exact(codec_id: str) -> bool:

@@ -30,6 +30,8 @@ MAX_CHUNK_TOKENS = 65536
 MAX_LEVELS = 64
 MAX_OBJECT_BYTES = 1 << 30  # one chunk at one level; far above any real one
 MAX_PROFILE_BYTES = 256 << 20
+#: A version-2 object's index: its header and a section table of 40 bytes per section.
+MAX_INDEX_BYTES = 4 << 20
 MAX_LAYOUT = {"layers": 1024, "kv_heads": 1024, "head_dim": 1024}
 KV_DTYPES = ("float16", "bfloat16", "float32")
 TEXT_LEVEL = "text"
@@ -38,11 +40,28 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _LEVEL_NAME = re.compile(r"^[a-z0-9][a-z0-9_]{0,31}$")
 
 
+@dataclass(frozen=True)
+class IndexRef:
+    """A version-2 object's index (its first ``bytes`` bytes) and the index digest it
+    ends with: what a reader of part of the object checks that index against."""
+
+    bytes: int
+    sha256: str
+
+
 @dataclass
 class ObjectRef:
     key: str
     bytes: int
     sha256: str
+    #: The section index of a version-2 object (None: version 1, read whole).
+    index: IndexRef | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "bytes": self.bytes, "sha256": self.sha256}
+        if self.index is not None:
+            out["index"] = {"bytes": self.index.bytes, "sha256": self.index.sha256}
+        return out
 
     def check(self, data: bytes) -> None:
         """:class:`IntegrityError` unless ``data`` is exactly the bytes this ref names."""
@@ -50,6 +69,27 @@ class ObjectRef:
             raise IntegrityError(
                 f"{self.key} does not match the size and sha256 its manifest records "
                 "(corrupted in the store or in transit)"
+            )
+
+
+@dataclass(frozen=True)
+class ObjectSpan:
+    """Bytes ``[start, end)`` of the object ``ref`` names: what a reader of part of a
+    version-2 object fetches. Its bytes are checked by the caller (against the index
+    digest, or the sections' sha256s), not by ``ref``'s whole-object digest."""
+
+    ref: ObjectRef
+    start: int
+    end: int
+
+    @property
+    def key(self) -> str:
+        return self.ref.key
+
+    def check(self, data: bytes) -> None:
+        if len(data) != self.end - self.start:
+            raise IntegrityError(
+                f"{self.key}: {len(data)} bytes arrived for bytes {self.start}-{self.end - 1}"
             )
 
 
@@ -151,8 +191,7 @@ class Manifest:
                     "hash": c.hash,
                     "tokens": c.tokens,
                     "objects": {
-                        lv: {"key": o.key, "bytes": o.bytes, "sha256": o.sha256}
-                        for lv, o in c.objects.items()
+                        lv: o.to_json() for lv, o in c.objects.items()
                     },
                 }
                 for c in self.chunks
@@ -272,7 +311,10 @@ def manifest_from_json(raw: Any, *, name: str) -> Manifest:
                     o.get("bytes"), f"{where}.objects.{lv_name}.bytes", 1, MAX_OBJECT_BYTES
                 ),
                 sha256=v.hex64(o.get("sha256"), f"{where}.objects.{lv_name}.sha256"),
+                index=_index_ref(o.get("index"), f"{where}.objects.{lv_name}.index", v),
             )
+            if ref.index is not None and ref.index.bytes >= ref.bytes:
+                raise FormatError(f"{name}: {where}.objects.{lv_name}.index is not within it")
             if ref.key != keys.object_key(chunk_hash, levels[lv_name].id, ref.sha256):
                 raise FormatError(
                     f"{name}: {where}.objects.{lv_name}.key {ref.key[:120]!r} is not the key of "
@@ -313,6 +355,15 @@ def manifest_from_json(raw: Any, *, name: str) -> Manifest:
         chunks=chunks,
         codec_profile=profile,
     )
+
+
+def _index_ref(raw: Any, where: str, v: _Validator) -> IndexRef | None:
+    """An object's ``index`` entry (absent: a version-1 object)."""
+    if raw is None:
+        return None
+    raw = v.dict(raw, where)
+    return IndexRef(v.int(raw.get("bytes"), f"{where}.bytes", 1, MAX_INDEX_BYTES),
+                    v.hex64(raw.get("sha256"), f"{where}.sha256"))  # fmt: skip
 
 
 class _Validator:

@@ -137,6 +137,26 @@ def _layout(config: Any, dtype: str) -> KVLayout:
     )
 
 
+def unsupported_attention(config: Any) -> str | None:
+    """Why kvcdn cannot hold this model's KV as ``[layers, 2, kv_heads, tokens,
+    head_dim]`` with every layer attending to every token (None: it can). Latent
+    attention (MLA) stores one compressed vector per token, not keys and values;
+    sliding-window and hybrid (mamba, linear, chunked) layers keep other state or
+    only a window; per-layer head sizes break the one shape."""
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "kv_lora_rank", None):
+        return "it uses multi-head latent attention (MLA), whose KV kvcdn does not store"
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True) is not False:
+        return f"it attends within a sliding window of {window} tokens"
+    kinds = set(getattr(text, "layer_types", None) or ())
+    if kinds - {"full_attention"}:
+        return f"it mixes layer kinds ({', '.join(sorted(map(str, kinds)))})"
+    if isinstance(getattr(text, "head_dim", None), list | tuple):
+        return "its layers have different head sizes"
+    return None
+
+
 def _context_window(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 2048)
 
@@ -164,6 +184,8 @@ class ModelIdentity:
     vocab_size: int
     context_window: int
     folder: str  # the Hugging Face folder (or hub id) an engine loads
+    #: Why kvcdn cannot serve this model's KV (:func:`unsupported_attention`), if so.
+    unsupported: str | None = None
 
     def check_fits(self, n_tokens: int) -> None:
         _check_fits(self.name, self.context_window, n_tokens)
@@ -223,6 +245,7 @@ def model_identity(name: str | None) -> ModelIdentity:
         vocab_size=int(config.vocab_size),
         context_window=_context_window(config),
         folder=folder,
+        unsupported=unsupported_attention(config),
     )
 
 

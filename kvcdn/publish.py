@@ -37,6 +37,7 @@ from .codec import (
     encode_chunk,
     is_exact,
     needs_profile,
+    object_ref,
     parse_levels,
     read_chunk,
 )
@@ -390,8 +391,8 @@ def _encode_and_upload(job: _Job) -> None:
     t_encode = 0.0
 
     def store_one(data: bytes, chunk_hash: str, level: Level) -> tuple[ObjectRef, bool]:
-        sha = hashlib.sha256(data).hexdigest()
-        ref = ObjectRef(object_key(chunk_hash, level.id, sha), len(data), sha)
+        ref = object_ref(object_key(chunk_hash, level.id, hashlib.sha256(data).hexdigest()),
+                         data)  # fmt: skip
         written = store.put_content(ref.key, data)
         job.on_object(ref.key)
         return ref, written

@@ -36,7 +36,7 @@ from . import keys, paths
 from .errors import FormatError, InputError, NotFound, StoreError
 
 if TYPE_CHECKING:
-    from .manifest import ObjectRef
+    from .manifest import ObjectRef, ObjectSpan
 
 log = logging.getLogger(__name__)
 
@@ -128,27 +128,47 @@ class Cancel:
         return left is not None and left <= 0
 
 
+@dataclass(frozen=True)
+class ReadSpec:
+    """What one read is: its key, at most how many bytes, the check they must pass, and
+    the byte range ``[start, end)`` when only part of the object is read."""
+
+    key: str
+    max_bytes: int | None
+    check: Check | None
+    span: tuple[int, int] | None = None
+
+
 def read_bounds(
-    key: str | ObjectRef, max_bytes: int | None, check: Check | None
-) -> tuple[str, int | None, Check | None]:
+    key: str | ObjectRef | ObjectSpan, max_bytes: int | None, check: Check | None
+) -> ReadSpec:
     """What a read of ``key`` is: an :class:`~kvcdn.manifest.ObjectRef` is its key, read
     at most its size (or the caller's smaller bound) and checked against its size and
-    sha256 (then by the caller's check, if any); a plain key is read as asked."""
+    sha256 (then by the caller's check, if any); an :class:`~kvcdn.manifest.ObjectSpan`
+    is its byte range, exactly as long as asked; a plain key is read as asked."""
     if isinstance(key, str):
-        return key, max_bytes, check
-    ref, extra = key, check
-    bound = ref.bytes if max_bytes is None else min(max_bytes, ref.bytes)
-    if extra is None:
-        return ref.key, bound, ref.check
+        return ReadSpec(key, max_bytes, check)
+    own = key.check
+    if hasattr(key, "start"):  # an ObjectSpan
+        length = key.end - key.start
+        bound = length if max_bytes is None else min(max_bytes, length)
+        return ReadSpec(key.key, bound, _both(own, check), (key.start, key.end))
+    bound = key.bytes if max_bytes is None else min(max_bytes, key.bytes)
+    return ReadSpec(key.key, bound, _both(own, check))
+
+
+def _both(first: Check, then: Check | None) -> Check:
+    if then is None:
+        return first
 
     def both(data: bytes) -> None:
-        ref.check(data)
-        extra(data)
+        first(data)
+        then(data)
 
-    return ref.key, bound, both
+    return both
 
 
-def key_of(key: str | ObjectRef) -> str:
+def key_of(key: str | ObjectRef | ObjectSpan) -> str:
     """The store key a read is of (for messages)."""
     return key if isinstance(key, str) else key.key
 
@@ -292,16 +312,40 @@ class Store(ReaderBase):
         ``max_bytes`` is refused once one byte more has arrived), reporting each and
         stopping between two when ``cancel`` is set; ``check`` runs on what was read."""
         started = time.perf_counter()
-        key, max_bytes, check = read_bounds(key, max_bytes, check)
+        spec = read_bounds(key, max_bytes, check)
         pieces: list[bytes] = []
-        for piece in self.pieces(key, max_bytes=max_bytes, cancel=cancel):
+        if spec.span is None:
+            read = self.pieces(spec.key, max_bytes=spec.max_bytes, cancel=cancel)
+        else:
+            read = self.span_pieces(spec.key, *spec.span, cancel=cancel)
+        for piece in read:
             pieces.append(piece)
             if on_bytes is not None:
                 on_bytes(len(piece))
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        if check is not None:
-            check(data)
-        return Fetched(key, data, self.url, time.perf_counter() - started)
+        if spec.check is not None:
+            spec.check(data)
+        return Fetched(spec.key, data, self.url, time.perf_counter() - started)
+
+    def span_pieces(
+        self, key: str, start: int, end: int, *, cancel: Cancel | None = None
+    ) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of ``key`` in ranged pieces (fewer if the object is
+        shorter: the caller's check sees it), stopping between two at ``cancel``."""
+        path = self._path(key)
+        at = start
+        while at < end:
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled
+            stop = min(end, at + FETCH_PIECE)
+            with self._errors(f"reading {key}"):
+                piece = self.fs.cat_file(path, start=at, end=stop, **self.read_kwargs)
+            if not piece:
+                return
+            at += len(piece)
+            yield piece[: end - (at - len(piece))] if at > end else piece
+            if at < stop:
+                return
 
     def pieces(
         self, key: str, *, max_bytes: int | None = None, cancel: Cancel | None = None
@@ -522,6 +566,25 @@ class LocalStore(Store):
                 if len(piece) < want:
                     return
 
+    def span_pieces(
+        self, key: str, start: int, end: int, *, cancel: Cancel | None = None
+    ) -> Iterator[bytes]:
+        """:meth:`Store.span_pieces` from one open regular file."""
+        path = self._path(key)
+        if cancel is not None and cancel.is_set():
+            raise FetchCancelled
+        with self._errors(f"reading {key}"), _open_regular(path, key, self.url) as f:
+            f.seek(start)
+            at = start
+            while at < end:
+                if cancel is not None and cancel.is_set():
+                    raise FetchCancelled
+                piece = f.read(min(FETCH_PIECE, end - at))
+                if not piece:
+                    return
+                at += len(piece)
+                yield piece
+
     def list_stats(self, prefix: str = "") -> dict[str, KeyStat]:
         self._require_root()
         found = super().list_stats(prefix)  # without temporary files of unfinished writes
@@ -584,12 +647,23 @@ class S3Store(Store):
     ) -> Iterator[bytes]:
         """One GET (of at most ``max_bytes`` + 1 bytes), its body read a piece at a time
         as it streams in: one request per object, whatever its size."""
+        limit = None if max_bytes is None else (0, max_bytes)  # one byte more: "too large"
+        return self._get(key, limit, max_bytes, cancel)
+
+    def span_pieces(
+        self, key: str, start: int, end: int, *, cancel: Cancel | None = None
+    ) -> Iterator[bytes]:
+        """One ranged GET of bytes ``[start, end)``."""
+        return self._get(key, (start, end - 1), end - start, cancel)
+
+    def _get(self, key: str, byte_range: tuple[int, int] | None, max_bytes: int | None,
+             cancel: Cancel | None) -> Iterator[bytes]:  # fmt: skip
         from fsspec.asyn import sync
 
         bucket, _, path = self._path(key).partition("/")
         args: dict[str, Any] = {"Bucket": bucket, "Key": path}
-        if max_bytes is not None:
-            args["Range"] = f"bytes=0-{max_bytes}"  # one byte more shows "too large"
+        if byte_range is not None:
+            args["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
         if cancel is not None and cancel.is_set():
             raise FetchCancelled
         with self._errors(f"reading {key}"):

@@ -48,8 +48,17 @@ from kvcdn.errors import (
     StoreError,
 )
 from kvcdn.keys import manifest_key, parse_key
-from kvcdn.manifest import MAX_OBJECT_BYTES, Manifest, ObjectRef
-from kvcdn.store import Cancel, Check, FetchCancelled, Fetched, ReaderBase, Store, read_bounds
+from kvcdn.manifest import MAX_OBJECT_BYTES, Manifest, ObjectRef, ObjectSpan
+from kvcdn.store import (
+    Cancel,
+    Check,
+    FetchCancelled,
+    Fetched,
+    ReaderBase,
+    Store,
+    key_of,
+    read_bounds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,16 @@ WARM_JOBS_PER_EDGE = 4
 
 class _EdgeFailed(Exception):
     """One edge could not serve one key; the next source is tried."""
+
+
+def _check_content_range(resp: Any, span: tuple[int, int] | None) -> None:
+    """A ranged answer must be the range asked for (a server may answer another)."""
+    if span is None:
+        return
+    got = resp.headers.get("Content-Range", "")
+    m = re.match(r"^bytes (\d+)-(\d+)/(\d+|\*)$", got)
+    if m is None or (int(m.group(1)), int(m.group(2)) + 1) != span:
+        raise _EdgeFailed(f"it answered range {got!r}, not bytes {span[0]}-{span[1] - 1}")
 
 
 _EDGE_URL = re.compile(r"^https?://[^/\s?#]+(/[^\s?#]*)?$")
@@ -239,7 +258,7 @@ class EdgeStore(ReaderBase):
     # ---- reading ---------------------------------------------------------------
     def fetch(
         self,
-        key: str | ObjectRef,
+        key: str | ObjectRef | ObjectSpan,
         *,
         max_bytes: int | None = None,
         check: Check | None = None,
@@ -247,8 +266,9 @@ class EdgeStore(ReaderBase):
         on_bytes: Callable[[int], None] | None = None,
         cancel: Cancel | None = None,
     ) -> Fetched:
-        """Read ``key`` (or an :class:`ObjectRef`'s, bounded and checked by it) from the
-        first edge that serves it well (then the origin).
+        """Read ``key`` (or an :class:`ObjectRef`'s, bounded and checked by it, or an
+        :class:`ObjectSpan`'s byte range, asked for with ``Range``) from the first edge
+        that serves it well (then the origin).
 
         At most ``max_bytes`` are read from any source (default: the largest
         object a manifest may name), and ``check`` must pass on them. The body
@@ -256,11 +276,17 @@ class EdgeStore(ReaderBase):
         setting ``cancel`` stops the read (:class:`FetchCancelled`).
         """
         started = time.perf_counter()
-        key, max_bytes, check = read_bounds(key, max_bytes, check)
+        what = key  # what the origin is asked for, when the edges fail
+        spec = read_bounds(key, max_bytes, check)
+        key, max_bytes, check = spec.key, spec.max_bytes, spec.check
         limit = MAX_OBJECT_BYTES if max_bytes is None else max_bytes
+        headers = self._headers
+        if spec.span is not None:  # one range, answered 206 with exactly that range
+            headers = {**headers, "Range": f"bytes={spec.span[0]}-{spec.span[1] - 1}"}
+        ok_status = 200 if spec.span is None else 206
         info = parse_key(key)
         if self.documents_from_origin and info is not None and info.kind in _DOCUMENT_KINDS:
-            return self._from_origin(key, limit, check, on_bytes, cancel, started)
+            return self._from_origin(what, max_bytes, check, on_bytes, cancel, started)
         failures: list[str] = []
         bad: list[KvcdnError] = []  # bytes served that failed ``check``
         missing = refused = 0
@@ -274,7 +300,7 @@ class EdgeStore(ReaderBase):
                     raise DeadlineExceeded(f"{key}: no time left to read it from {edge}")
                 try:
                     resp = self._http.request(
-                        "GET", f"{edge}/{quote(key)}", headers=self._headers,
+                        "GET", f"{edge}/{quote(key)}", headers=headers,
                         preload_content=False, timeout=timeout,
                     )  # fmt: skip
                 except (urllib3.exceptions.HTTPError, OSError) as exc:  # refused, reset, timed out
@@ -287,9 +313,9 @@ class EdgeStore(ReaderBase):
                     failures.append(f"{edge}: {exc}")
                     log.warning("edge %s failed on %s, trying the next source: %s", edge, key, exc)
                     continue
-                if resp.status == 200:
+                if resp.status == ok_status:
                     try:
-                        data = self._read_body(resp, limit, on_bytes, cancel)
+                        data = self._read_body(resp, limit, on_bytes, cancel, spec.span)
                     except _EdgeFailed as exc:
                         self._reject(edge, key, str(exc))
                         failures.append(f"{edge}: {exc}")
@@ -336,7 +362,7 @@ class EdgeStore(ReaderBase):
             self._release_probes(probes)  # those not answered for already, whatever happened
         skipped = len(self.edges) - len(tried)
         if self.origin is not None:
-            return self._from_origin(key, limit, check, on_bytes, cancel, started)
+            return self._from_origin(what, max_bytes, check, on_bytes, cancel, started)
         if skipped:
             failures.append(f"{skipped} edge(s) skipped while they recover from failures")
         if bad and len(bad) == len(failures):  # say what was wrong, in its own terms
@@ -347,12 +373,19 @@ class EdgeStore(ReaderBase):
             raise AccessDenied(f"the edges refused to serve {key}; check the edge token")
         raise StoreError(f"no edge could serve {key}: {'; '.join(failures)}")
 
-    def _from_origin(self, key: str, limit: int, check: Check | None,
-                     on_bytes: Callable[[int], None] | None, cancel: Cancel | None,
-                     started: float) -> Fetched:  # fmt: skip
+    def _from_origin(self, what: str | ObjectRef | ObjectSpan, max_bytes: int | None,
+                     check: Check | None, on_bytes: Callable[[int], None] | None,
+                     cancel: Cancel | None, started: float) -> Fetched:  # fmt: skip
+        """``what`` (a key, a ref or a span) from the origin: bounded and checked as the
+        edges' reads were (``check`` already holds the ref's own check)."""
         assert self.origin is not None
-        got = self.origin.fetch(key, max_bytes=limit, check=check, on_bytes=on_bytes,
-                                cancel=cancel)  # fmt: skip
+        key = key_of(what)
+        if isinstance(what, ObjectSpan):
+            got = self.origin.fetch(what, check=check, on_bytes=on_bytes, cancel=cancel)
+        else:
+            limit = MAX_OBJECT_BYTES if max_bytes is None else max_bytes
+            got = self.origin.fetch(key, max_bytes=limit, check=check, on_bytes=on_bytes,
+                                    cancel=cancel)  # fmt: skip
         return Fetched(key, got.data, "origin", time.perf_counter() - started)
 
     def _release_probes(self, edges: list[str]) -> None:
@@ -380,9 +413,11 @@ class EdgeStore(ReaderBase):
         max_bytes: int,
         on_bytes: Callable[[int], None] | None,
         cancel: Cancel | None,
+        span: tuple[int, int] | None = None,
     ) -> bytes:
         """The body, at most ``max_bytes`` of it, within a time budget of the read
-        timeout plus ``max_bytes`` at :data:`MIN_BODY_BPS` (a slow drip is cut off)."""
+        timeout plus ``max_bytes`` at :data:`MIN_BODY_BPS` (a slow drip is cut off);
+        for a ranged read, the range asked for (``span``)."""
         too_slow = threading.Event()
 
         def cut_off() -> None:
@@ -400,6 +435,7 @@ class EdgeStore(ReaderBase):
         watchdog = threading.Timer(min(budget, left) if by_deadline else budget, cut_off)
         watchdog.daemon = True
         try:
+            _check_content_range(resp, span)
             declared = resp.headers.get("Content-Length")
             if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
                 raise _EdgeFailed(

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
-from kvcdn.codec import decode_into
+from kvcdn.codec import PartRead, decode_into, read_part
 from kvcdn.errors import DeadlineExceeded, FormatError, KvcdnError, NotFound, TrustError
 from kvcdn.manifest import ChunkEntry, Manifest
 from kvcdn.models import LoadedModel
@@ -105,7 +105,7 @@ class _Chunk:
     received: int = 0
     attempt: int = 0  # events from an abandoned fetch carry an older attempt
     cancel: Cancel = field(default_factory=Cancel)
-    data: bytes = b""
+    data: bytes | PartRead = b""  # the whole object, or the part the target holds
     source: str = ""
     start_s: float = 0.0
     ready_s: float = 0.0
@@ -284,6 +284,12 @@ class Pipeline:
         self.mode = mode
         self.options = options
         self.target = target
+        # the layers and heads the target holds, when not all: read in part where the
+        # objects have sections (version 2), else whole
+        layout = manifest.kv_layout
+        part = target.part
+        self.part = None if part is None or part.is_whole(
+            (layout["layers"], 2, layout["kv_heads"])) else part  # fmt: skip
         self.reader = reader
         self.placement = manifest.chain_hash  # a document's objects are served together
         self.profile = profile
@@ -552,10 +558,16 @@ class Pipeline:
 
         def work() -> None:
             try:
-                got = self.reader.fetch(ref, placement=self.placement, on_bytes=on_bytes,
-                                        cancel=cancel)  # fmt: skip
+                options = {"placement": self.placement, "on_bytes": on_bytes, "cancel": cancel}
+                if self.part is not None and ref.index is not None:
+                    read = read_part(self.reader, ref, self.part, name=f"object {ref.key}",
+                                     **options)  # fmt: skip
+                    data, source = read, read.source
+                else:
+                    got = self.reader.fetch(ref, **options)
+                    data, source = got.data, got.source
                 if not cancel.is_set():
-                    c.data, c.source = got.data, got.source
+                    c.data, c.source = data, source
                 self.events.put(_Fetched(c, attempt))
             except FetchCancelled:
                 self.events.put(_Fetched(c, attempt, cancelled=True))
@@ -621,7 +633,7 @@ class Pipeline:
         # its bytes were checked against the manifest's sha256 when they arrived
         decode_into(c.data, self.target.chunk(c.entry.start, c.entry.end),
                     name=f"object {ref.key}", profile=self.profile, verified=True,
-                    chunk_hash=c.entry.hash)  # fmt: skip
+                    chunk_hash=c.entry.hash, part=self.part)  # fmt: skip
         self.target.commit(c.entry.start, c.entry.end)
 
     def _recompute(self, c: _Chunk) -> None:

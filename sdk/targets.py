@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcdn.codecs import ChunkDest, TensorDest
+from kvcdn.container import Part
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +27,9 @@ class KVTarget(Protocol):
 
     #: The document's tokens: every position in ``[0, tokens)`` is written once.
     tokens: int
+    #: The layers and KV heads the target holds (a tensor- or pipeline-parallel rank's
+    #: share): its chunks' places hold only those. None: all of them.
+    part: Part | None
 
     def chunk(self, start: int, end: int) -> ChunkDest:
         """Where the KV ``[L, 2, H, end - start, D]`` of tokens ``[start, end)`` goes: a
@@ -50,6 +54,8 @@ class KVTarget(Protocol):
 class TensorTarget:
     """A document's KV in one tensor ``[L, 2, H, T, D]`` on the model's device, in its
     dtype: what blending reads, and what a transformers cache is laid over."""
+
+    part: Part | None = None
 
     def __init__(self, loaded: LoadedModel, tokens: int) -> None:
         import torch

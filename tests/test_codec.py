@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import numpy as np
@@ -179,8 +180,10 @@ def test_every_level_round_trips_with_bounded_error(profile, real_kv, level):
 def test_decoded_symbols_are_bit_exact_across_kernels(profile, real_kv):
     """Decode one real payload with the numpy reference and with numba."""
     lv = ladder_level("default", profile)
-    data = encode_chunk(lv, real_kv[:, :, :, 256:512], HASH, profile=profile, start=256)
-    header, payload = unpack(data)
+    data = encode_chunk(lv, real_kv[:, :, :, 256:512], HASH, profile=profile, start=256,
+                        version=1)  # fmt: skip
+    header, body = unpack(data)
+    payload = body.payload
     G = 30 * 2 * 3
     fields = np.frombuffer(payload, "<u4", count=4 + G + 1)
     ws = fields[4:].astype(np.int64)
@@ -230,14 +233,21 @@ def default_object(profile, real_kv):
     return encode_chunk(lv, real_kv[:, :, :, 256:512], HASH, profile=profile, start=256)
 
 
+@pytest.fixture(scope="module")
+def default_object_v1(profile, real_kv):
+    lv = ladder_level("default", profile)
+    return encode_chunk(lv, real_kv[:, :, :, 256:512], HASH, profile=profile, start=256,
+                        version=1)  # fmt: skip
+
+
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data())
-def test_fuzzed_payloads_raise_clear_errors(profile, default_object, data):
+def test_fuzzed_payloads_raise_clear_errors(profile, default_object_v1, data):
     """Payload bytes mutated, re-packed with a valid checksum: the rANS parser must catch it."""
-    header, payload = unpack(default_object)
-    raw = bytearray(payload)
+    header, body = unpack(default_object_v1)
+    raw = bytearray(body.payload)
     mode = data.draw(st.sampled_from(["flip", "truncate", "extend", "preamble", "offsets"]))
     if mode == "flip":
         for _ in range(data.draw(st.integers(1, 8))):
@@ -388,11 +398,137 @@ def test_a_corrupt_stream_decoded_into_blocks_is_an_error(profile, real_kv):
     from kvcdn.kernels.permuted import PermutedBlocks
 
     data = bytearray(encode_chunk(ladder_level("default", profile), real_kv[:, :, :, 256:512],
-                                  HASH, profile=profile, start=256))  # fmt: skip
-    header, payload = unpack(bytes(data))
-    body = bytearray(payload)
+                                  HASH, profile=profile, start=256, version=1))  # fmt: skip
+    header, parsed = unpack(bytes(data))
+    body = bytearray(parsed.payload)
     body[-9] ^= 0x5A  # a word of the last group's stream
     cache, blocks, k_pos, v_pos = _paged_cache(np.uint16)
     into = PermutedBlocks(cache, blocks, 256, 0, 256, k_pos, v_pos, 256, 64)
     with pytest.raises(FormatError, match="corrupt"):
         decode_into(pack(header, bytes(body)), BlocksDest(into), profile=profile, chunk_hash=HASH)
+
+
+# ---- version-2 objects: sections a rank reads in part -------------------------------------
+
+
+@pytest.mark.parametrize("level", ["fp16", "int8", *LADDER])
+def test_sectioned_objects_decode_as_whole_ones_and_in_part(profile, real_kv, level):
+    """A version-2 object decodes bit for bit as the version-1 object of the same KV; a
+    part (the layers and heads a rank holds) decodes as that slice of the whole."""
+    from kvcdn.codec import FIXED_LEVELS, decode_into
+    from kvcdn.codecs import TensorDest
+    from kvcdn.container import Part
+
+    lv = FIXED_LEVELS[level] if level in FIXED_LEVELS else ladder_level(level, profile)
+    for start in (0, 256):
+        kv = real_kv[:, :, :, start : start + 256]
+        v1 = encode_chunk(lv, kv, HASH, profile=profile, start=start, version=1)
+        v2 = encode_chunk(lv, kv, HASH, profile=profile, start=start)
+        assert unpack(v2)[1].version == 2
+        _, whole1 = decode_chunk(v1, profile=profile)
+        _, whole2 = decode_chunk(v2, profile=profile)
+        assert torch.equal(whole1, whole2)
+        for part in (Part((0, 30), (1, 2)), Part((7, 19), (0, 3)), Part((29, 30), (2, 3))):
+            for data in (v1, v2):  # a version-1 object is read whole, its part kept
+                out = torch.full(part.shape(whole2.shape), float("nan"))
+                decode_into(data, TensorDest(out), profile=profile, part=part)
+                (l0, l1), (h0, h1) = part.layers, part.heads
+                assert torch.equal(out, whole2[l0:l1, :, h0:h1].float())
+
+
+def test_an_index_is_small_beside_its_object(profile, real_kv):
+    """Target of the issue: index (preamble, header, table) <= 2% of a default object of
+    a 256-token chunk of the embedded model."""
+    from kvcdn.codec import object_ref
+
+    data = encode_chunk(ladder_level("default", profile), real_kv[:, :, :, 256:512], HASH,
+                        profile=profile, start=256)  # fmt: skip
+    ref = object_ref("k", data)
+    assert ref.index is not None
+    assert ref.index.bytes <= 0.02 * len(data), (ref.index.bytes, len(data))
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_fuzzed_sections_raise_clear_errors(profile, default_object, data):
+    """A section's bytes mutated and the object re-packed with valid checksums: the
+    section parser refuses it, or it decodes to finite values of the right shape."""
+    from kvcdn.codec import decode_into
+    from kvcdn.codecs import TensorDest
+    from kvcdn.container import Part, pack_sections
+
+    header, body = unpack(default_object)
+    sections = [bytes(body.sections[i]) for i in range(len(body.sections))]
+    i = data.draw(st.integers(0, len(sections) - 1))
+    raw = bytearray(sections[i])
+    mode = data.draw(st.sampled_from(["flip", "truncate", "extend", "counts"]))
+    if mode == "flip":
+        for _ in range(data.draw(st.integers(1, 8))):
+            j = data.draw(st.integers(0, len(raw) - 1))
+            raw[j] ^= data.draw(st.integers(1, 255))
+    elif mode == "truncate":
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    elif mode == "extend":
+        raw += bytes(data.draw(st.integers(1, 64)))
+    else:
+        struct.pack_into("<I", raw, 4 * data.draw(st.integers(0, 2)),
+                         data.draw(st.integers(0, 2**32 - 1)))  # fmt: skip
+    sections[i] = bytes(raw)
+    damaged = pack_sections(header, sections)
+    head = i // 30
+    part = Part((0, 30), (head, head + 1))
+    try:
+        _, out = decode_chunk(damaged, profile=profile)
+        one = torch.empty(part.shape(header.shape))
+        decode_into(damaged, TensorDest(one), profile=profile, part=part)
+    except FormatError:
+        return
+    assert out.shape == (30, 2, 3, 256, 64) and torch.isfinite(out).all()
+
+
+def test_a_rank_reads_its_part_verified_and_no_more(profile, real_kv, tmp_path):
+    """read_part fetches the index and the part's sections only (one run for a head),
+    each checked: a damaged section of another rank's part does not touch this one's
+    read; a damaged section of its own is caught before decoding."""
+    from kvcdn.codec import decode_into, object_ref, read_part
+    from kvcdn.codecs import TensorDest
+    from kvcdn.container import Part, parse_index
+    from kvcdn.errors import IntegrityError
+    from kvcdn.store import open_store
+
+    store = open_store(str(tmp_path / "store"))
+    data = encode_chunk(ladder_level("default", profile), real_kv[:, :, :, 256:512], HASH,
+                        profile=profile, start=256)  # fmt: skip
+    ref = object_ref("objects/x", data)
+    store.put(ref.key, data)
+    _, whole = decode_chunk(data, profile=profile)
+    index = parse_index(data)
+    seen: list[int] = []
+    total = 0
+    for head in range(3):
+        part = Part((0, 30), (head, head + 1))
+        read = read_part(store, ref, part, name="x", on_bytes=seen.append)
+        own = sum(index.lengths[i] for i in part.section_ids(30))
+        # exactly the index and this head's sections: heads differ in entropy, so a
+        # third of the object each within a few percent
+        assert read.nbytes == sum(seen) == ref.index.bytes + own
+        assert own <= 1.05 * (len(data) - index.size) / 3
+        total += own
+        seen.clear()
+        out = torch.empty(part.shape(whole.shape))
+        decode_into(read, TensorDest(out), profile=profile, part=part, chunk_hash=HASH)
+        assert torch.equal(out, whole[:, :, head : head + 1])
+    assert total == len(data) - index.size
+    damaged = bytearray(data)
+    damaged[index.offsets[2 * 30 + 5] + 40] ^= 1  # head 2, layer 5
+    store.put(ref.key, bytes(damaged))
+    read_part(store, ref, Part((0, 30), (0, 2)), name="x")  # heads 0-1 are intact
+    with pytest.raises(IntegrityError, match="section 65"):
+        read_part(store, ref, Part((0, 30), (2, 3)), name="x")
+    from kvcdn.manifest import IndexRef
+
+    other = IndexRef(ref.index.bytes, "0" * 64)  # an index the object does not have
+    with pytest.raises(IntegrityError, match="index"):
+        read_part(store, dataclasses.replace(ref, index=other), Part((0, 30), (0, 1)), name="x")

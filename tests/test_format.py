@@ -34,9 +34,9 @@ def test_container_round_trip() -> None:
     header = ChunkHeader("fp16", "fp16", {}, (2, 2, 3, 8, 16), HASH)
     data = pack(header, b"x" * 100)
     assert data.startswith(MAGIC)
-    parsed, payload = unpack(data)
-    assert parsed == header
-    assert bytes(payload) == b"x" * 100
+    parsed, body = unpack(data)
+    assert parsed == header and body.version == 1
+    assert bytes(body.payload) == b"x" * 100
 
 
 def test_flipped_byte_fails_checksum() -> None:

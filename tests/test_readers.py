@@ -110,6 +110,28 @@ def test_an_object_ref_is_read_bounded_and_checked_by_itself(reader):
             source.get(ObjectRef(KEY, len(DATA), "0" * 64), check=lambda data: None)
 
 
+def test_a_span_is_read_as_exactly_its_bytes(reader):
+    """An ObjectSpan reads bytes [start, end) of its object (a ranged GET on S3 and on the
+    edge, a seek on a file), reported as they arrive; a span past the object's end
+    fails its length check; the caller's check runs on the span's bytes."""
+    import hashlib
+
+    from kvcdn.manifest import ObjectRef, ObjectSpan
+    from kvcdn.sdk.bounded import BoundedReader
+
+    ref = ObjectRef(KEY, len(DATA), hashlib.sha256(DATA).hexdigest())
+    size = len(DATA)
+    for source in (reader, BoundedReader(reader).within(None)):
+        for start, end in ((0, 100), (1000, 300_000), (size - 7, size), (12345, 12346)):
+            heard: list[int] = []
+            got = source.fetch(ObjectSpan(ref, start, end), on_bytes=heard.append)
+            assert got.data == DATA[start:end] and sum(heard) == end - start
+        with pytest.raises(KvcdnError):  # the object ends before the span does
+            source.fetch(ObjectSpan(ref, size - 10, size + 10))
+        with pytest.raises(KvcdnError, match="refused these bytes"):
+            source.fetch(ObjectSpan(ref, 0, 10), check=_fail)
+
+
 def test_listing_finds_the_key(reader):
     prefix = KEY.split("/", 1)[0] + "/"
     assert KEY in reader.list(prefix)

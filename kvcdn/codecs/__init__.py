@@ -12,6 +12,8 @@ payload's specification in ``docs/format.md``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcdn.errors import FormatError
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvcdn.codec_profile import CodecProfile
-    from kvcdn.container import ChunkHeader
+    from kvcdn.container import ChunkHeader, Part
 
 __all__ = [
     "BlocksDest",
@@ -76,6 +78,67 @@ class Codec(ABC):
         before it is used) into ``dest``, whose shape the caller has checked against the
         header's. Errors are :class:`FormatError` naming ``name``; values may have been
         written when one is raised at the end of a stream."""
+
+    # ---- version-2 objects: one section per KV head and layer ----------------------
+    # The defaults treat each section as a payload of its own, of shape [1, 2, 1, T, D]
+    # (fp16 and int8 are); a codec whose sections share state (the ladder codec's
+    # profile) overrides them.
+
+    def encode_sections(
+        self, kv: torch.Tensor, params: dict[str, Any], profile: CodecProfile | None, start: int
+    ) -> list[bytes]:
+        """The sections of ``kv`` ``[L, 2, H, T, D]`` in table order (head-major:
+        section ``h * L + l`` is head ``h`` of layer ``l``)."""
+        layers, _, heads = kv.shape[:3]
+        return [
+            self.encode(kv[lay : lay + 1, :, h : h + 1].contiguous(), params, profile, start)
+            for h in range(heads)
+            for lay in range(layers)
+        ]
+
+    def check_sections(
+        self, header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
+        profile: CodecProfile | None, name: str,
+    ) -> None:  # fmt: skip
+        """:meth:`check_payload` for the sections of ``part`` (all present)."""
+        one = _one_section(header)
+        for i in _section_ids(sections, part, header, name):
+            self.check_payload(one, sections[i], profile, f"{name} section {i}")
+
+    def decode_sections(
+        self, header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
+        dest: ChunkDest, profile: CodecProfile | None, name: str,
+    ) -> None:  # fmt: skip
+        """Decode ``part`` of the chunk from its sections into ``dest`` (of the part's
+        shape): each section into a staging tensor, then the part at once."""
+        import torch
+
+        self.check_sections(header, sections, part, profile, name)
+        staged = torch.empty(part.shape(header.shape), dtype=torch.float32)
+        one = _one_section(header)
+        layers = header.shape[0]
+        for h in range(part.head_count):
+            for lay in range(part.layer_count):
+                i = (part.heads[0] + h) * layers + part.layers[0] + lay
+                view = TensorDest(staged[lay : lay + 1, :, h : h + 1])
+                self.decode_into(one, sections[i], view, profile, f"{name} section {i}")
+        dest.write(staged)
+
+
+def _one_section(header: ChunkHeader) -> ChunkHeader:
+    """The header a version-2 section decodes under: one layer, one head."""
+    return replace(header, shape=(1, 2, 1, header.shape[3], header.shape[4]))
+
+
+def _section_ids(sections: Mapping[int, memoryview], part: Part, header: ChunkHeader,
+                 name: str) -> list[int]:  # fmt: skip
+    """The sections of ``part``, refused unless the part fits and all are present."""
+    if not part.fits(header.shape):
+        raise FormatError(f"{name}: part {part} is not within shape {list(header.shape)}")
+    ids = part.section_ids(header.shape[0])
+    if any(i not in sections for i in ids):
+        raise FormatError(f"{name}: a section of {part} was not read")
+    return ids
 
 
 _REGISTRY: dict[str, Codec] = {}

@@ -16,6 +16,7 @@ specified in docs/format.md::
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,16 +24,19 @@ import numpy as np
 
 from kvcdn.errors import FormatError, InputError
 
-from . import Codec
+from . import Codec, _section_ids
 from .dest import BlocksDest, ChunkDest, TensorDest
 
 if TYPE_CHECKING:
     import torch
 
     from kvcdn.codec_profile import CodecProfile
-    from kvcdn.container import ChunkHeader
+    from kvcdn.container import ChunkHeader, Part
 
 _PREAMBLE = struct.Struct("<IIII")
+#: A version-2 section (one head of one layer: its K group, then its V group):
+#: u32 S, u32 words of K, u32 words of V; u32 states[2][D]; f16 sinks[2][S][D]; u16 words.
+_SECTION = struct.Struct("<III")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,69 @@ class RansCodec(Codec):
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
 
+    def encode_sections(
+        self, kv: torch.Tensor, params: dict[str, Any], profile: CodecProfile | None, start: int
+    ) -> list[bytes]:
+        """The streams of all groups coded at once (as :meth:`encode`), then cut into
+        one section per head and layer: its K and V groups' states, sinks and words."""
+        from kvcdn.kernels import rans_numba
+
+        if profile is None:
+            raise InputError(f"level {params.get('level')} needs the model's codec profile")
+        layers, two, heads, tokens, dim = kv.shape
+        lay = profile.layout
+        if (layers, heads, dim) != (lay.layers, lay.kv_heads, lay.head_dim):
+            raise InputError("the KV does not have the shape the codec profile was calibrated for")
+        groups = layers * two * heads
+        sinks = max(0, min(profile.sinks - start, tokens))
+        x = kv.float().numpy().reshape(groups, tokens, dim)
+        states, words, word_start = rans_numba.quantise_encode(
+            x[:, sinks:], *profile.quantiser(params["level"]), profile.freqs
+        )
+        states = states.astype("<u4")
+        sink = x[:, :sinks].astype("<f2")
+        words = words.astype("<u2")
+        out = []
+        for h in range(heads):
+            for layer in range(layers):
+                k, v = (layer * 2) * heads + h, (layer * 2 + 1) * heads + h
+                ks, ke, vs, ve = (int(word_start[g + e]) for g in (k, v) for e in (0, 1))
+                out.append(b"".join((
+                    _SECTION.pack(sinks, ke - ks, ve - vs),
+                    states[[k, v]].tobytes(), sink[[k, v]].tobytes(),
+                    words[ks:ke].tobytes(), words[vs:ve].tobytes(),
+                )))  # fmt: skip
+        return out
+
+    def check_sections(
+        self, header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
+        profile: CodecProfile | None, name: str,
+    ) -> None:  # fmt: skip
+        _section_streams(header, sections, part, profile, name)
+
+    def decode_sections(
+        self, header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
+        dest: ChunkDest, profile: CodecProfile | None, name: str,
+    ) -> None:  # fmt: skip
+        """The part's sections joined into one set of streams in the part's group order
+        (layer, K/V, head), decoded by one kernel call as a whole object is."""
+        from kvcdn.kernels.rans import RansError
+
+        parts, gids = _section_streams(header, sections, part, profile, name)
+        assert profile is not None
+        lp, hp = part.layer_count, part.head_count
+        tokens, dim = header.shape[3], header.shape[4]
+        s = parts.sinks
+        if s:
+            dest.window(0, s).write_fp16(parts.sink.view(np.uint16).reshape(lp, 2, hp, s, dim))
+        tid, scale, offset = (a[gids] for a in profile.dequant(parts.level))
+        streams = (parts.words, parts.word_start, parts.states, profile.decode_tables(), tid,
+                   scale, offset)  # fmt: skip
+        try:
+            _decode_body(streams, dest, parts.groups, tokens, s, dim)
+        except RansError as exc:
+            raise FormatError(f"{name}: {exc}") from None
+
 
 def _decode_body(
     streams: tuple[np.ndarray, ...], dest: ChunkDest, groups: int, tokens: int, s: int, dim: int
@@ -140,9 +207,8 @@ def _decode_body(
         body.copy_(torch.from_numpy(tmp))
 
 
-def _parts(
-    header: ChunkHeader, payload: memoryview, name: str, profile: CodecProfile | None
-) -> _Parts:
+def _check_level(header: ChunkHeader, name: str, profile: CodecProfile | None) -> str:
+    """The header's level, once the header agrees with the codec profile."""
     if profile is None:
         raise FormatError(f"{name} needs a codec profile to decode, and none was given")
     level = header.params.get("level")
@@ -154,6 +220,65 @@ def _parts(
     lay = profile.layout
     if (layers, two, heads, dim) != (lay.layers, 2, lay.kv_heads, lay.head_dim):
         raise FormatError(f"{name}: shape {list(header.shape)} does not fit the codec profile")
+    return level
+
+
+def _section_streams(
+    header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
+    profile: CodecProfile | None, name: str,
+) -> tuple[_Parts, np.ndarray]:  # fmt: skip
+    """The streams of ``part``'s groups (layer, K/V, head) from its sections, every
+    length checked before it is used, and the groups' ids in the whole chunk."""
+    level = _check_level(header, name, profile)
+    ids = _section_ids(sections, part, header, name)
+    layers, _, heads, tokens, dim = header.shape
+    parsed: dict[int, tuple[np.ndarray, ...]] = {}
+    sinks = None
+    for i in ids:
+        raw = sections[i]
+        if len(raw) < _SECTION.size:
+            raise FormatError(f"{name}: section {i} is truncated")
+        s, nk, nv = _SECTION.unpack_from(raw, 0)
+        if sinks is None:
+            sinks = s
+        if s != sinks or s > tokens:
+            raise FormatError(f"{name}: section {i} keeps {s} exact tokens, not {sinks}")
+        if max(nk, nv) > (tokens - s) * dim:
+            raise FormatError(f"{name}: a stream of section {i} is longer than its symbols allow")
+        off = _SECTION.size
+        expected = off + 8 * dim + 4 * s * dim + 2 * (nk + nv)
+        if len(raw) != expected:
+            raise FormatError(f"{name}: section {i} is {len(raw)} bytes, its counts say {expected}")
+        states = np.frombuffer(raw, dtype="<u4", count=2 * dim, offset=off).reshape(2, dim)
+        off += 8 * dim
+        sink = np.frombuffer(raw, dtype="<f2", count=2 * s * dim, offset=off).reshape(2, s, dim)
+        off += 4 * s * dim
+        words = np.frombuffer(raw, dtype="<u2", count=nk + nv, offset=off)
+        parsed[i] = (states, sink, words[:nk], words[nk:])
+    assert sinks is not None  # a part holds at least one section
+    order = [(lay, kv, h) for lay in range(*part.layers) for kv in (0, 1)
+             for h in range(*part.heads)]  # fmt: skip
+    picked = [(parsed[h * layers + lay], kv) for lay, kv, h in order]
+    states = np.stack([p[0][kv] for p, kv in picked])
+    if np.any(states < (1 << 16)):
+        raise FormatError(f"{name}: a stream state is out of range")
+    counts = np.array([len(p[2 + kv]) for p, kv in picked], dtype=np.int64)
+    word_start = np.zeros(len(picked) + 1, dtype=np.int64)
+    np.cumsum(counts, out=word_start[1:])
+    words = np.concatenate([p[2 + kv] for p, kv in picked])
+    if sinks:
+        sink = np.stack([p[1][kv] for p, kv in picked])
+    else:
+        sink = np.empty((len(picked), 0, dim), dtype="<f2")
+    gids = np.array([(lay * 2 + kv) * heads + h for lay, kv, h in order], dtype=np.int64)
+    return _Parts(level, len(picked), sinks, word_start, states, sink, words), gids
+
+
+def _parts(
+    header: ChunkHeader, payload: memoryview, name: str, profile: CodecProfile | None
+) -> _Parts:
+    level = _check_level(header, name, profile)
+    layers, two, heads, tokens, dim = header.shape
     groups = layers * two * heads
     if len(payload) < _PREAMBLE.size:
         raise FormatError(f"{name}: payload is truncated")

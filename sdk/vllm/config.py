@@ -108,6 +108,7 @@ class ConnectorSetup:
         self.block_size: int = vllm_config.cache_config.block_size
         self.loads_enabled = bool(transfer.is_kv_consumer)
         self.captures_enabled = bool(transfer.is_kv_producer)
+        self.tensor_parallel = 1
         self.config = ConnectorConfig()
         self.identity: ModelIdentity | None = None
         self.trust: TrustPolicy | None = None
@@ -130,15 +131,20 @@ class ConnectorSetup:
                     "chunk kvcdn cannot load instead of failing the request",
                     transfer.kv_load_failure_policy,
                 )
+            if self.identity.unsupported:
+                raise KvcdnError(f"{self.identity.name}: {self.identity.unsupported}")
             parallel = vllm_config.parallel_config
-            split = [f"{what}={n}" for what, n in (
-                ("tensor_parallel_size", parallel.tensor_parallel_size),
-                ("pipeline_parallel_size", parallel.pipeline_parallel_size)) if n > 1]  # fmt: skip
-            if split:
+            self.tensor_parallel = parallel.tensor_parallel_size
+            if parallel.pipeline_parallel_size > 1:
                 raise KvcdnError(
-                    f"vLLM runs with {' and '.join(split)}: each worker holds part of the "
-                    "model's KV, which kvcdn does not load yet; vLLM computes every request"
+                    f"vLLM runs with pipeline_parallel_size={parallel.pipeline_parallel_size}, "
+                    "which kvcdn does not load into yet; vLLM computes every request"
                 )
+            if self.captures_enabled and self.tensor_parallel > 1:
+                log.warning("kvcdn: at tensor_parallel_size=%d each worker holds part of the "
+                            "KV: publishing from this engine (captures) is off, loads are on",
+                            self.tensor_parallel)  # fmt: skip
+                self.captures_enabled = False
         except Exception as exc:  # the engine runs on without kvcdn, and says why
             self.disable(str(exc))
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvcdn.codecs import BlocksDest, ChunkDest, TensorDest
+from kvcdn.container import Part
 from kvcdn.errors import KvcdnError
 from kvcdn.kernels.paged import gather_token_major, scatter_token_major
 from kvcdn.kernels.permuted import PermutedBlocks
@@ -48,6 +49,9 @@ class PagedLayout:
         # the CPU layout written by kvcdn's kernel: the layers' blocks as one numpy view
         # [layers, blocks, heads, K|V, block_size * head_dim], and where each element goes
         self._rows: np.ndarray | None = None
+        #: The layers and KV heads of the model these caches hold (all, unless vLLM
+        #: runs tensor- or pipeline-parallel).
+        self.part = Part.whole(len(caches), heads)
         self._k_pos: np.ndarray | None = None
         self._v_pos: np.ndarray | None = None
         if kind == "cpu":
@@ -62,22 +66,28 @@ class PagedLayout:
 
     @classmethod
     def detect(cls, kv_caches: dict[str, torch.Tensor], model: ModelIdentity,
-               block_size: int) -> PagedLayout:  # fmt: skip
+               block_size: int, rank: tuple[int, int] = (0, 1)) -> PagedLayout:  # fmt: skip
+        """The layout of this worker's caches: the layers it holds (all, or a pipeline
+        stage's) and, at tensor-parallel ``rank`` ``(rank, size)``, its KV heads."""
         layout = model.layout
-        caches: dict[int, torch.Tensor] = {}
+        by_layer: dict[int, torch.Tensor] = {}
         for name, tensor in kv_caches.items():
             m = re.search(r"layers\.(\d+)\.", name)
             if m is None:
                 raise KvcdnError(f"unexpected KV cache layer name {name!r}")
-            caches[int(m.group(1))] = tensor
-        if sorted(caches) != list(range(layout.layers)):
+            by_layer[int(m.group(1))] = tensor
+        held = sorted(by_layer)
+        if not held or held != list(range(held[0], held[-1] + 1)) or held[-1] >= layout.layers:
             raise KvcdnError(
-                f"vLLM has KV for layers {sorted(caches)[:4]}..., {model.name} has {layout.layers}"
+                f"vLLM has KV for layers {held[:4]}..., {model.name} has {layout.layers}"
             )
+        heads = rank_heads(layout.kv_heads, *rank)
+        part = Part((held[0], held[-1] + 1), heads)
+        caches = {layer - held[0]: tensor for layer, tensor in by_layer.items()}
         first = caches[0]
         if first.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise KvcdnError(f"vLLM's KV cache is {first.dtype}: kvcdn loads float KV only")
-        h, d, bs = layout.kv_heads, layout.head_dim, block_size
+        h, d, bs = part.head_count, layout.head_dim, block_size
         shape = tuple(first.shape)
         if first.device.type == "cpu" and len(shape) == 4 and shape[1:] == (h, bs, 2 * d):
             kind = "cpu"
@@ -88,7 +98,9 @@ class PagedLayout:
                 f"vLLM's KV cache layout {shape} on {first.device.type} is not one kvcdn writes "
                 f"({h} heads x {d}, blocks of {bs})"
             )
-        return cls(caches, kind, bs, h, d)
+        made = cls(caches, kind, bs, h, d)
+        made.part = part
+        return made
 
     def warm_up(self) -> None:
         """Load the decode and write kernels now, not on the first request's clock."""
@@ -245,6 +257,21 @@ def _stacked_rows(caches: dict[int, torch.Tensor], heads: int, row: int) -> np.n
     return stacked.view(np.uint16) if first.dtype == torch.bfloat16 else stacked
 
 
+def rank_heads(kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """The KV heads ``[first, end)`` tensor-parallel rank ``rank`` of ``size`` holds, as
+    vLLM splits them: ``kv_heads / size`` each, or, with more ranks than heads, each
+    head replicated on ``size / kv_heads`` consecutive ranks."""
+    if size <= 1:
+        return (0, kv_heads)
+    if kv_heads % size == 0:
+        n = kv_heads // size
+        return (rank * n, rank * n + n)
+    if size % kv_heads == 0:
+        head = rank // (size // kv_heads)
+        return (head, head + 1)
+    raise KvcdnError(f"{kv_heads} KV heads do not split over {size} tensor-parallel ranks")
+
+
 class PagedTarget:
     """A :class:`~kvcdn.sdk.KVTarget` over vLLM's blocks, of which only the tokens the
     load claimed are written (vLLM has the others). In vLLM's CPU layouts a chunk is
@@ -256,6 +283,7 @@ class PagedTarget:
         self.layout = layout
         self.spec = spec
         self.tokens = spec.end
+        self.part: Part | None = layout.part
         # decoded in float32 on the CPU (the codec's exact output), cast when written
         self.dtype = torch.float32 if layout.device == "cpu" else layout.dtype
         self._staged: dict[int, torch.Tensor] = {}

@@ -53,7 +53,8 @@ class KvcdnWorker:
         if not self.setup.active or identity is None:
             return
         try:
-            self._writer = PagedLayout.detect(kv_caches, identity, self.block_size)
+            self._writer = PagedLayout.detect(kv_caches, identity, self.block_size,
+                                              _tensor_parallel_rank())  # fmt: skip
         except Exception as exc:
             self.setup.disable(str(exc))  # the scheduler stops claiming when it hears
             return
@@ -158,6 +159,14 @@ class KvcdnWorker:
 
     def shutdown(self) -> None:
         self._load_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _tensor_parallel_rank() -> tuple[int, int]:
+    """This worker's tensor-parallel (rank, size) in vLLM's process group."""
+    from vllm.distributed import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())  # fmt: skip
 
 
 class _PrefillTimer:
