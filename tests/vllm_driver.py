@@ -8,9 +8,11 @@ goes to stderr and stdout too).
 
 Usage: ``python tests/vllm_driver.py CONFIG_JSON`` where the config names the
 model folder, the connector's ``kv_connector_extra_config``, the capture folder
-and, optionally, ``tensor_parallel_size``. A request may bring ``beside``: more
-prompts (kvcdn kept out of them) scheduled with it in one batch; their
-replies come in ``beside``.
+and, optionally, ``tensor_parallel_size``, ``pipeline_parallel_size``, ``dtype``,
+``max_model_len`` and ``compilation_config`` (given, it replaces ``enforce_eager``:
+pipeline stages after the first need vLLM's warm-up run, which eager mode skips on
+CPU). A request may bring ``beside``: more prompts (kvcdn kept out of them)
+scheduled with it in one batch; their replies come in ``beside``.
 """
 
 from __future__ import annotations
@@ -32,15 +34,22 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     transfer = producer_config(config["capture_dir"], role="kv_both", **config["extra"])
     started = time.perf_counter()
+    options = {}
+    if "compilation_config" in config:  # pipeline stages need vLLM's warm-up, never eager
+        options["compilation_config"] = config["compilation_config"]
+    else:
+        options["enforce_eager"] = True
     llm = LLM(
         model=config["folder"],
         kv_transfer_config=transfer,
         block_size=256,
-        enforce_eager=True,
-        max_model_len=8192,
+        max_model_len=config.get("max_model_len", 8192),
         enable_prefix_caching=True,
         seed=0,
         tensor_parallel_size=config.get("tensor_parallel_size", 1),
+        pipeline_parallel_size=config.get("pipeline_parallel_size", 1),
+        dtype=config.get("dtype", "auto"),
+        **options,
     )
     reply({"ready": True, "seconds": time.perf_counter() - started})
     for line in sys.stdin:

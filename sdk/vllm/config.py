@@ -108,7 +108,6 @@ class ConnectorSetup:
         self.block_size: int = vllm_config.cache_config.block_size
         self.loads_enabled = bool(transfer.is_kv_consumer)
         self.captures_enabled = bool(transfer.is_kv_producer)
-        self.tensor_parallel = 1
         self.config = ConnectorConfig()
         self.identity: ModelIdentity | None = None
         self.trust: TrustPolicy | None = None
@@ -134,16 +133,14 @@ class ConnectorSetup:
             if self.identity.unsupported:
                 raise KvcdnError(f"{self.identity.name}: {self.identity.unsupported}")
             parallel = vllm_config.parallel_config
-            self.tensor_parallel = parallel.tensor_parallel_size
-            if parallel.pipeline_parallel_size > 1:
-                raise KvcdnError(
-                    f"vLLM runs with pipeline_parallel_size={parallel.pipeline_parallel_size}, "
-                    "which kvcdn does not load into yet; vLLM computes every request"
-                )
-            if self.captures_enabled and self.tensor_parallel > 1:
-                log.warning("kvcdn: at tensor_parallel_size=%d each worker holds part of the "
-                            "KV: publishing from this engine (captures) is off, loads are on",
-                            self.tensor_parallel)  # fmt: skip
+            split = [f"{what}={n}" for what, n in (
+                ("tensor_parallel_size", parallel.tensor_parallel_size),
+                ("pipeline_parallel_size", parallel.pipeline_parallel_size)) if n > 1]  # fmt: skip
+            if self.captures_enabled and split:
+                # each worker loads its own heads and layers; capturing would need them gathered
+                log.warning("kvcdn: vLLM runs with %s: each worker holds part of the KV, so "
+                            "publishing from this engine (captures) is off; loads are on",
+                            " and ".join(split))  # fmt: skip
                 self.captures_enabled = False
         except Exception as exc:  # the engine runs on without kvcdn, and says why
             self.disable(str(exc))

@@ -96,6 +96,9 @@ class KvcdnScheduler:
         self._matches: dict[str, _Match] = {}
         self._pending_loads: list[LoadSpec] = []
         self._loading: dict[str, LoadSpec] = {}  # sent to the worker, not finished
+        # blocks of those loads reported failed so far: with several workers, one may
+        # report its failed blocks steps before the last worker finishes the load
+        self._failed_so_far: dict[str, set[int]] = {}
         self._sync_sent: dict[str, LoadSpec] = {}  # sync loads of the step in flight
         self._sync_default: bool | None = None  # the connector's own choice
         # With async scheduling (or pipeline parallelism) vLLM schedules step N+1
@@ -336,6 +339,11 @@ class KvcdnScheduler:
         # a synchronous load ends within its step, whose failed blocks come in this
         # output (synchronous loads are made only where vLLM reports each step's
         # output before it schedules the next)
+        if failed:
+            for req_id, spec in self._loading.items():
+                mine = failed.intersection(spec.block_ids)
+                if mine:
+                    self._failed_so_far.setdefault(req_id, set()).update(mine)
         done = [*self._sync_sent.values()]
         self._sync_sent = {}
         for req_id in connector_output.finished_recving or ():
@@ -343,7 +351,8 @@ class KvcdnScheduler:
             if spec is not None:
                 done.append(spec)
         for spec in done:
-            self._outcomes[spec.req_id] = self._outcome(spec, failed)
+            seen = failed | self._failed_so_far.pop(spec.req_id, set())
+            self._outcomes[spec.req_id] = self._outcome(spec, seen)
 
     def _outcome(self, spec: LoadSpec, failed: set[int]) -> dict[str, Any]:
         return {
@@ -362,6 +371,7 @@ class KvcdnScheduler:
         self._asked.pop(req_id, None)
         self._captures.pop(req_id, None)
         self._loading.pop(req_id, None)
+        self._failed_so_far.pop(req_id, None)
         sent = self._sync_sent.pop(req_id, None)
         outcome = self._outcomes.pop(req_id, None)
         if outcome is None and sent is not None and request.status.name != "FINISHED_ABORTED":
