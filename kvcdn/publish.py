@@ -21,8 +21,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -397,8 +398,24 @@ def _encode_and_upload(job: _Job) -> None:
         job.on_object(ref.key)
         return ref, written
 
+    uploaded = 0
+
+    def finish(chunk: Any, level: Level, future: Future) -> None:
+        nonlocal uploaded
+        ref, written = future.result()
+        job.stored[(chunk.hash, level.id)] = ref
+        if written:
+            job.uploaded += 1
+            job.uploaded_bytes += ref.bytes
+        else:
+            job.freshened.add(ref.key)
+        uploaded += 1
+        job.progress("upload", uploaded, len(missing))
+
     with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
-        pending = []
+        # encoded objects wait for their upload in a bounded queue: a long document's
+        # objects are never all in memory at once
+        pending: deque[tuple[Any, Level, Future]] = deque()
         for n, (chunk, level) in enumerate(missing):
             te = time.perf_counter()
             data = encode_chunk(level, kv[:, :, :, chunk.start : chunk.end], chunk.hash,
@@ -406,15 +423,10 @@ def _encode_and_upload(job: _Job) -> None:
             t_encode += time.perf_counter() - te
             job.progress("encode", n + 1, len(missing))
             pending.append((chunk, level, pool.submit(store_one, data, chunk.hash, level)))
-        for n, (chunk, level, future) in enumerate(pending):
-            ref, written = future.result()
-            job.stored[(chunk.hash, level.id)] = ref
-            if written:
-                job.uploaded += 1
-                job.uploaded_bytes += ref.bytes
-            else:
-                job.freshened.add(ref.key)
-            job.progress("upload", n + 1, len(missing))
+            if len(pending) > 2 * UPLOAD_CONCURRENCY:
+                finish(*pending.popleft())
+        while pending:
+            finish(*pending.popleft())
     job.seconds["encode"] = job.seconds.get("encode", 0.0) + t_encode
     job.seconds["upload"] = (job.seconds.get("upload", 0.0) + time.perf_counter() - t
                              - t_encode)  # fmt: skip

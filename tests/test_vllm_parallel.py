@@ -45,6 +45,7 @@ TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 #: CPU; tracing without compiling (backend "eager") starts as fast as eager mode.
 NO_COMPILE = {"mode": 2, "backend": "eager"}
 TAIL = "tail"  # a second document: the sed manual's second half
+LONG_CONTEXT = 40960  # the random-weight model's context window
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,8 @@ def _extra(store: Path, folder: Path, edge: EdgeProcess | None) -> dict:
 def tp_engine(tmp_path_factory, random_llama, llama_store, edge):
     with _engine(tmp_path_factory.mktemp("vllm-tp2"), str(random_llama),
                  _extra(llama_store, random_llama, edge), tensor_parallel_size=2,
-                 dtype="float32", env=TWO_WORKERS) as engine:  # fmt: skip
+                 dtype="float32", max_model_len=LONG_CONTEXT,
+                 env=TWO_WORKERS) as engine:  # fmt: skip
         yield engine
 
 
@@ -210,6 +212,52 @@ def test_a_section_corrupt_for_one_worker_is_recomputed_by_all(
     again = tp_engine.ask(prompt, reset=False, kvcdn_load=False)  # from the prefix cache
     assert again["num_cached_tokens"] > 0
     _same_answer(again, own)
+
+
+def _peak_rss(args: list[str]) -> tuple[int, str]:
+    """Run ``args``; its peak resident memory in bytes, and its output."""
+    import subprocess
+
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, out[-3000:]
+    return usage.ru_maxrss * 1024, out
+
+
+def test_a_32k_token_document_publishes_in_bounded_memory_and_loads(
+    tp_engine, llama, random_llama, llama_store, tmp_path
+):
+    """``kvcdn publish`` of a 33K-token document (the bash manual's first 150,000
+    characters) prefills it in windows: its peak memory is the model's process plus a
+    few times the document's KV, not the T x T attention and T x vocabulary logits of
+    one pass (which took 3.7 GB for 14K tokens of this model). It loads back into vLLM
+    at TP=2 and answers as vLLM's own prefill of it."""
+    import subprocess
+    import sys
+
+    text = subprocess.run("man -P cat bash | col -bx", shell=True, capture_output=True,
+                          text=True, env={**os.environ, "MANWIDTH": "80"}).stdout  # fmt: skip
+    doc = tmp_path / "bash.txt"
+    doc.write_text(text[:150_000])
+    tokens = len(llama.document_ids(doc.read_text()))
+    assert tokens > 32768
+    load_only = f"from kvcdn.models import load_model; load_model({str(random_llama)!r}, 'cpu')"
+    model_only, _ = _peak_rss([sys.executable, "-c", load_only])
+    peak, out = _peak_rss([sys.executable, "-m", "kvcdn.cli.main", "publish", str(doc),
+                           "--name", "bash", "--model", str(random_llama), "--store",
+                           str(llama_store), "--levels", "fp16", "--json"])  # fmt: skip
+    layout = llama.layout
+    kv_bytes = layout.layers * 2 * layout.kv_heads * layout.head_dim * 4 * tokens  # float32
+    assert peak <= model_only + 4 * kv_bytes + (400 << 20), (peak, model_only, kv_bytes)
+    prompt = _prompt(llama, doc.read_text(), QUESTION)
+    own = tp_engine.ask(prompt, kvcdn_load=False)
+    out = tp_engine.ask(prompt, kvcdn_quality="fp16", kvcdn_load_mode="async")
+    claimed = _claimed(llama, doc.read_text())
+    assert out["num_cached_tokens"] == claimed > 32000
+    assert out["token_ids"][:8] == own["token_ids"][:8]
+    assert _kl(own["first_logprobs"], out["first_logprobs"]) <= 1e-3
 
 
 @pytest.fixture(scope="module")
