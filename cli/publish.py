@@ -72,6 +72,24 @@ from .app import (
     "started for the run (pip install 'kvcdn[vllm]'), whose KV kvcdn's connector captures.",
 )
 @click.option(
+    "--tensor-parallel-size",
+    "tensor_parallel",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --engine vllm: workers the model's heads are split over (one GPU each; on a "
+    "CPU, one core each). Each worker's KV heads are captured and put together: the "
+    "same objects as one worker publishes.",
+)
+@click.option(
+    "--pipeline-parallel-size",
+    "pipeline_parallel",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --engine vllm: stages the model's layers are split over.",
+)
+@click.option(
     "--ray",
     "ray_address",
     is_flag=False,
@@ -114,6 +132,8 @@ def publish(
     name: str | None,
     sign_key_files: tuple[Path, ...],
     engine: str,
+    tensor_parallel: int,
+    pipeline_parallel: int,
     ray_address: str | None,
     actors: int | None,
     threads: int,
@@ -179,6 +199,9 @@ def publish(
         seen[doc_name] = path
     if ray_address is None and (actors is not None or threads != 1):
         raise click.UsageError("--actors and --threads go with --ray")
+    if (tensor_parallel > 1 or pipeline_parallel > 1) and engine != "vllm":
+        raise click.UsageError("--tensor-parallel-size and --pipeline-parallel-size split a "
+                               "vLLM engine: add --engine vllm")  # fmt: skip
     if ray_address is not None and engine == "vllm":
         raise click.UsageError("--ray publishes with transformers actors; drop --engine vllm")
     check_level_names(levels)  # unknown level names fail here, before the model loads
@@ -202,7 +225,7 @@ def publish(
             loaded = load_model(model, device)
         prefill = None
         if engine == "vllm":
-            prefill = _vllm_prefill(model, stack)
+            prefill = _vllm_prefill(model, stack, tensor_parallel, pipeline_parallel)
         results = []
         for path, (text, doc_name) in zip(paths, named, strict=True):
             with _progress(not as_json) as progress:
@@ -290,8 +313,10 @@ def _publish_on_ray(documents: list, settings: Any, address: str | None, actors:
         raise SystemExit(1)
 
 
-def _vllm_prefill(model: str | None, stack: ExitStack) -> Any:
-    """A vLLM engine for ``model`` whose connector captures each prefill's KV."""
+def _vllm_prefill(model: str | None, stack: ExitStack, tensor_parallel: int = 1,
+                  pipeline_parallel: int = 1) -> Any:  # fmt: skip
+    """A vLLM engine for ``model`` whose connector captures each prefill's KV, its
+    workers split ``tensor_parallel`` x ``pipeline_parallel`` ways."""
     import importlib.util
     import os
     import tempfile
@@ -306,11 +331,35 @@ def _vllm_prefill(model: str | None, stack: ExitStack) -> Any:
     # its KV cache gets a size (GiB), without which its memory check can fail.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    workers = tensor_parallel * pipeline_parallel
+    engine: dict[str, Any] = {"tensor_parallel_size": tensor_parallel,
+                              "pipeline_parallel_size": pipeline_parallel}  # fmt: skip
+    if pipeline_parallel > 1:
+        # stages after the first need vLLM's warm-up run, which eager mode skips on a
+        # CPU; tracing without compiling starts about as fast
+        engine["compilation_config"] = {"mode": 2, "backend": "eager"}
+    else:
+        engine["enforce_eager"] = True
+    if workers > 1 and not _has_cuda():
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < workers:
+            raise click.UsageError(f"{workers} vLLM workers need a core each; this process "
+                                   f"may use {len(cores)}")  # fmt: skip
+        # each CPU worker binds its threads to its own cores (vLLM refuses to start else)
+        share = len(cores) // workers
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+            ",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(workers)))
     from kvcdn.sdk.vllm import VllmPrefill
 
     capture_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcdn-capture-"))
     with err.status("starting vLLM…"):
-        return VllmPrefill.start(model, capture_dir, enforce_eager=True)
+        return VllmPrefill.start(model, capture_dir, **engine)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _signing_keys(paths: tuple[Path, ...]) -> list[SigningKey]:

@@ -132,16 +132,6 @@ class ConnectorSetup:
                 )
             if self.identity.unsupported:
                 raise KvcdnError(f"{self.identity.name}: {self.identity.unsupported}")
-            parallel = vllm_config.parallel_config
-            split = [f"{what}={n}" for what, n in (
-                ("tensor_parallel_size", parallel.tensor_parallel_size),
-                ("pipeline_parallel_size", parallel.pipeline_parallel_size)) if n > 1]  # fmt: skip
-            if self.captures_enabled and split:
-                # each worker loads its own heads and layers; capturing would need them gathered
-                log.warning("kvcdn: vLLM runs with %s: each worker holds part of the KV, so "
-                            "publishing from this engine (captures) is off; loads are on",
-                            " and ".join(split))  # fmt: skip
-                self.captures_enabled = False
         except Exception as exc:  # the engine runs on without kvcdn, and says why
             self.disable(str(exc))
 

@@ -314,10 +314,62 @@ class PagedTarget:
             self.layout.write(staged[:, :, :, lo - start : hi - start], self.spec.block_ids, lo)
 
 
-def write_capture(kv: torch.Tensor, path: str) -> None:
-    """``kv`` to ``path`` as safetensors, atomically (a reader never sees part of it)."""
+def write_capture(kv: torch.Tensor, path: str, part: Part, whole: Part) -> None:
+    """A worker's captured KV ``kv`` (its ``part`` of the model's ``whole``) to ``path``
+    as safetensors, atomically (a reader never sees part of it). A worker holding part
+    of the heads or layers writes ``{ID}.part-{l0}-{l1}-{h0}-{h1}.safetensors`` beside
+    where the whole would go; :func:`read_capture` puts the parts together."""
     from safetensors.torch import save_file
 
+    if part != whole:
+        (l0, l1), (h0, h1) = part.layers, part.heads
+        path = f"{path.removesuffix('.safetensors')}.part-{l0}-{l1}-{h0}-{h1}.safetensors"
     tmp = f"{path}.{os.getpid()}.tmp"
     save_file({"kv": kv.contiguous()}, tmp)
     os.replace(tmp, path)
+
+
+_PART_FILE = re.compile(r"\.part-(\d+)-(\d+)-(\d+)-(\d+)\.safetensors$")
+
+
+def read_capture(folder: str, capture_id: str, layers: int, heads: int) -> torch.Tensor | None:
+    """The KV ``[L, 2, H, T, D]`` captured for ``capture_id`` in ``folder``: its one file,
+    or its workers' parts put together (heads a tensor-parallel worker replicates are
+    taken once), the files removed; None when nothing was captured.
+    :class:`KvcdnError` when the parts do not cover every layer and head once."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    base = Path(folder)
+    whole = base / f"{capture_id}.safetensors"
+    if whole.is_file():
+        try:
+            return load_file(whole)["kv"]
+        finally:
+            whole.unlink()
+    files = sorted(base.glob(f"{capture_id}.part-*.safetensors"))
+    if not files:
+        return None
+    out: torch.Tensor | None = None
+    covered = torch.zeros((layers, heads), dtype=torch.bool)
+    try:
+        for path in files:
+            m = _PART_FILE.search(path.name)
+            kv = load_file(path)["kv"]
+            if m is None:
+                raise KvcdnError(f"unexpected capture file {path.name}")
+            l0, l1, h0, h1 = map(int, m.groups())
+            if not (0 <= l0 < l1 <= layers and 0 <= h0 < h1 <= heads) or kv.shape[:3] != (
+                    l1 - l0, 2, h1 - h0):  # fmt: skip
+                raise KvcdnError(f"capture part {path.name} does not fit {layers} x {heads}")
+            if out is None:
+                out = torch.empty((layers, 2, heads, *kv.shape[3:]), dtype=kv.dtype)
+            out[l0:l1, :, h0:h1] = kv
+            covered[l0:l1, h0:h1] = True
+    finally:
+        for path in files:
+            path.unlink(missing_ok=True)
+    if not bool(covered.all()):
+        raise KvcdnError(f"the captured parts of {capture_id} miss some layers or heads")
+    return out

@@ -13,6 +13,7 @@ from kvcdn.errors import KvcdnError
 from kvcdn.models import model_identity
 
 from .config import CAPTURE_PARAM, LOAD_PARAM
+from .layout import read_capture
 
 
 def producer_config(capture_dir: str, model: str | None = None, *, role: str = "kv_producer",
@@ -35,14 +36,17 @@ class VllmPrefill:
     :func:`producer_config`) and returns their KV ``[L, 2, H, T, D]`` as float32:
     what ``kvcdn publish --engine vllm`` encodes and publishes."""
 
-    def __init__(self, llm: Any, capture_dir: str) -> None:
+    def __init__(self, llm: Any, capture_dir: str, layers: int, kv_heads: int) -> None:
         self.llm = llm
         self.capture_dir = Path(capture_dir)
+        self.layers, self.kv_heads = layers, kv_heads
 
     @classmethod
     def start(cls, model: str | None, capture_dir: str, *, block_size: int = 256,
               **engine: Any) -> VllmPrefill:  # fmt: skip
-        """A vLLM engine for ``model`` (a kvcdn model name) with a capturing connector."""
+        """A vLLM engine for ``model`` (a kvcdn model name) with a capturing connector;
+        ``engine``: more of ``vllm.LLM``'s arguments (``tensor_parallel_size``: each
+        worker captures its heads, put together here)."""
         from vllm import LLM
 
         identity = model_identity(model)
@@ -52,20 +56,16 @@ class VllmPrefill:
             block_size=block_size, enable_prefix_caching=False,
             max_model_len=identity.context_window, **engine,
         )  # fmt: skip
-        return cls(llm, capture_dir)
+        return cls(llm, capture_dir, identity.layout.layers, identity.layout.kv_heads)
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
-        from safetensors.torch import load_file
         from vllm import SamplingParams
 
         capture_id = uuid.uuid4().hex
         params = SamplingParams(max_tokens=1, extra_args={
             "kv_transfer_params": {CAPTURE_PARAM: capture_id, LOAD_PARAM: False}})  # fmt: skip
         self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        path = self.capture_dir / f"{capture_id}.safetensors"
-        if not path.is_file():
+        kv = read_capture(str(self.capture_dir), capture_id, self.layers, self.kv_heads)
+        if kv is None:
             raise KvcdnError("vLLM ran the prefill but its KV was not captured (see its log)")
-        try:
-            return load_file(path)["kv"]
-        finally:
-            path.unlink()
+        return kv

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvcdn.container import Part
 from kvcdn.profile_store import ProfileCache
 
 from ..loader import load_prefix_into
@@ -130,7 +131,9 @@ class KvcdnWorker:
             return
         for spec in meta.captures:
             try:
-                write_capture(self._writer.read(spec.block_ids, spec.tokens), spec.path)
+                layout = self.setup.identity.layout  # active: identity is known
+                write_capture(self._writer.read(spec.block_ids, spec.tokens), spec.path,
+                              self._writer.part, Part.whole(layout.layers, layout.kv_heads))
             except Exception as exc:
                 log.error("kvcdn: capturing request %s failed: %s", spec.req_id, exc)
 
