@@ -2,6 +2,7 @@
 an edit of a document's last tenth costs against a full publish.
 
     python bench/publish.py [--pages 12] [--chars 4000] [--rounds 3] [--json OUT]
+    python bench/publish.py --long [--lengths 4096,16384,32768] [--one-pass-max 16384]
 
 Corpus: the first ``--chars`` characters of ``--pages`` man pages, published into
 a fresh local store by each configuration, with the default ladder (the model's
@@ -17,6 +18,13 @@ Every configuration runs ``--rounds`` times, interleaved; reported are the
 medians: documents per minute, seconds per document (wall, and inside the
 publish: tokenize, prefill, encode, upload), the Ray path's overhead per document
 against the serial path on the same threads, and the setup a fresh run pays.
+
+Long documents (``--long [--lengths 4096,16384,32768]``): the bash manual cut to each
+length, published at ``fp16`` with a 4-layer random-weight Llama of a 40K context
+(``tests/random_llama.py``), each in a fresh process: tokens per second and peak RSS
+of the windowed prefill (``LoadedModel.prefill``) against one pass over the whole
+document with full logits (the prefill before windows, run as the publish's
+``prefill``), the latter up to ``--one-pass-max`` tokens.
 
 Incremental: a ~2,000-token man page, its last 10% of characters replaced by
 other text; median of ``--repeats`` of: a full publish of the edited document
@@ -174,8 +182,76 @@ def incremental(model, levels: str, repeats: int) -> dict:
     }  # fmt: skip
 
 
+def _long_child(mode: str, tokens: int, folder: str) -> None:
+    """One long publish in this fresh process; prints its figures as JSON."""
+    import resource
+
+    import torch
+    from transformers import DynamicCache
+
+    from kvcdn.models import kv_from_cache, load_model
+    from kvcdn.publish import publish
+
+    model = load_model(folder, "cpu")
+    text = man_page("bash")
+    ids = model.document_ids(text)
+    cut = len(model.tokenizer.decode(ids[1 : tokens + 1]))  # about ``tokens`` tokens of text
+    text = text[:cut]
+    loaded_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def one_pass(ids: list[int]) -> torch.Tensor:  # the prefill before windows
+        cache = DynamicCache(config=model.model.config)
+        with torch.inference_mode():
+            model.model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        return kv_from_cache(cache)
+
+    with tempfile.TemporaryDirectory() as store:
+        t = time.perf_counter()
+        result = publish(text=text, name="bash", model=model, store=store, levels="fp16",
+                         prefill=one_pass if mode == "one-pass" else None)  # fmt: skip
+        seconds = time.perf_counter() - t
+    print(json.dumps({
+        "mode": mode, "tokens": result.token_count, "seconds": seconds,
+        "tokens_per_s": result.token_count / seconds, "loaded_rss": loaded_rss,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }))  # fmt: skip
+
+
+def long_documents(lengths: list[int], one_pass_max: int, out: Path) -> int:
+    sys.path.insert(0, str(REPO))
+    from tests.random_llama import build_random_llama
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_random_llama(Path(tmp))
+        for n in lengths:
+            for mode in ("windows", "one-pass"):
+                if mode == "one-pass" and n > one_pass_max:
+                    continue
+                done = subprocess.run(
+                    [sys.executable, __file__, "--long-child", mode, str(n), str(folder)],
+                    capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                r = rows[-1]
+                print(f"{r['tokens']:>7,} tokens  {mode:<9} {r['tokens_per_s']:7.0f} tok/s  "
+                      f"peak {r['peak_rss'] / 1e9:5.2f} GB  (model loaded: "
+                      f"{r['loaded_rss'] / 1e9:4.2f} GB)")  # fmt: skip
+    report = {"machine": platform.platform(), "cpus": os.cpu_count(), "long": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 5 and sys.argv[1] == "--long-child":
+        _long_child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--long", action="store_true", help="only the long-document rows")
+    parser.add_argument("--lengths", default="4096,16384,32768")
+    parser.add_argument("--one-pass-max", type=int, default=16384)
     parser.add_argument("--pages", type=int, default=12)
     parser.add_argument("--chars", type=int, default=4000)
     parser.add_argument("--levels", default=LADDER)
@@ -184,6 +260,11 @@ def main() -> int:
     parser.add_argument("--skip-ray", action="store_true")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args()
+    if args.long:
+        out = args.json
+        if out == DEFAULT_JSON:
+            out = DEFAULT_JSON.with_name("publish_long.json")
+        return long_documents([int(n) for n in args.lengths.split(",")], args.one_pass_max, out)
 
     from kvcdn.cluster import CorpusDocument
     from kvcdn.models import load_model

@@ -53,37 +53,11 @@ def profile(_isolated_home, model):
 
 @pytest.fixture(scope="session")
 def random_llama(tmp_path_factory, model) -> Path:
-    """A small Llama-architecture folder with random weights from a fixed seed: 4 layers,
-    8 query and 4 KV heads of 64 (two tensor-parallel workers split them; the embedded
-    model has 3), a 40K context window (documents of 32K tokens and more), bf16
-    safetensors and the embedded tokenizer (so documents are framed as for the real
-    model). Its text is meaningless, but an
-    engine's own prefill is a baseline that loaded KV must match. Weights drawn wider
-    than the default (``initializer_range``) make greedy answers vary token to token."""
-    import shutil
+    """A random-weight Llama folder with 4 KV heads and a 40K context window
+    (:mod:`tests.random_llama`), built once per session."""
+    from tests.random_llama import build_random_llama
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvcdn.models import model_folder
-
-    folder = tmp_path_factory.mktemp("random-llama")
-    tokenizer = model.tokenizer
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1024,
-        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=40960, rope_theta=100000.0, initializer_range=0.2,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    source = Path(model_folder("smollm2-135m"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "chat_template.jinja"):  # fmt: skip
-        if (source / name).exists():
-            shutil.copy(source / name, folder / name)
-    return folder
+    return build_random_llama(tmp_path_factory.mktemp("random-llama"))
 
 
 @pytest.fixture(scope="session")
