@@ -1,6 +1,7 @@
 """Time to first token seen by a client of vLLM: prefill, vLLM's ExampleConnector, kvcdn.
 
     python bench/vllm.py [--tokens 2048,4000] [--repeats 3] [--rates 125M,25M] [--json OUT]
+    python bench/vllm.py --parallel [--tokens 4000,16000] [--repeats 3] [--json OUT]
 
 Documents: the first N tokens (chat framing included) of `man bash`, published
 once by kvcdn (transformers, fp32) at fp16, nearlossless, default and lowest to
@@ -29,6 +30,15 @@ its document's lookup not yet cached):
 Bytes moved: per request, the stored bytes of the chunks a fixed level loads
 (from the manifest), the edge's bytes served for auto, ExampleConnector's file
 sizes. Prints a table and the target ratios; writes every figure as JSON.
+
+``--parallel``: engines whose workers split the model, each against its own prefill.
+The model is the tests' 4-layer random-weight Llama with 4 KV heads
+(``tests/random_llama.py``; the embedded model's 3 heads do not split in two), float32,
+documents published at fp16 and default; engines at TP=1, TP=2 and PP=2 (one core a
+worker), kvcdn reading through an unshaped edge that counts the bytes it serves:
+TTFT of prefill, kvcdn fp16 and kvcdn default (median of ``--repeats``), the bytes
+the workers fetched together, and each worker's share (what the edge served divided
+by the workers: every worker fetches the index and its own sections).
 """
 
 from __future__ import annotations
@@ -63,8 +73,9 @@ def child(config: dict[str, Any]) -> None:
 
     llm = LLM(
         model=config["folder"], kv_transfer_config=KVTransferConfig(**config["transfer"]),
-        block_size=config["block_size"], enforce_eager=True, enable_prefix_caching=False,
-        max_model_len=8192, seed=0,
+        block_size=config["block_size"], enable_prefix_caching=False,
+        max_model_len=config.get("max_model_len", 8192), seed=0,
+        **config.get("engine", {"enforce_eager": True}),
     )  # fmt: skip
     results = []
     for req in config["requests"]:
@@ -152,10 +163,15 @@ def main() -> None:
                         help="vLLM's block size (a divisor of kvcdn's 256-token chunks; a load "
                         "ends on a block boundary, so smaller blocks leave vLLM fewer tokens)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--parallel", action="store_true",
+                        help="TP=2 and PP=2 engines against TP=1 (a random-weight model)")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
         child(json.loads(Path(args.child).read_text()))
+        return
+    if args.parallel:
+        parallel(args)
         return
 
     from kvcdn.catalog import read_manifest
@@ -248,6 +264,120 @@ def main() -> None:
             edge.terminate()
             edge.wait(timeout=30)
     report = _report(results, manifests, docs, args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+#: Topologies of the --parallel rows: (label, workers, vLLM's engine arguments).
+TOPOLOGIES = [
+    ("TP=1", 1, {"enforce_eager": True}),
+    ("TP=2", 2, {"enforce_eager": True, "tensor_parallel_size": 2}),
+    # stages after the first need vLLM's warm-up, which eager mode skips on a CPU
+    ("PP=2", 2, {"pipeline_parallel_size": 2, "compilation_config": {"mode": 2,
+                                                                      "backend": "eager"}}),
+]
+
+
+def parallel(args: Any) -> None:
+    sys.path.insert(0, str(REPO))
+    from kvcdn.catalog import read_manifest
+    from kvcdn.models import load_model, user_message
+    from kvcdn.publish import publish
+    from kvcdn.store import open_store
+    from tests.random_llama import CONTEXT, build_random_llama
+
+    work = Path(tempfile.mkdtemp(prefix="kvcdn-bench-vllm-tp-"))
+    log = work / "engines.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": str(work / "vc"),
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "ind"), "VLLM_LOGGING_LEVEL": "WARNING",
+           "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # fmt: skip
+    folder = str(build_random_llama(work / "model"))
+    model = load_model(folder, "cpu")
+    store = work / "store"
+    from codecbench.documents import render_man  # bench/ is this script's folder
+
+    bash = render_man("bash", 0, work).read_text()
+    docs: dict[str, list[int]] = {}
+    manifests = {}
+    for n in [int(t) for t in args.tokens.split(",")]:
+        text = _cut(model, bash, n)
+        name = f"bash-{n}"
+        publish(text=text, name=name, model=model, store=str(store), levels="fp16,default")
+        manifests[name] = read_manifest(open_store(str(store), create=False), name)
+        rendered = model.tokenizer.apply_chat_template(
+            [user_message(text, QUESTION)], tokenize=False, add_generation_prompt=True)
+        docs[name] = list(model.tokenizer(rendered, add_special_tokens=False).input_ids)
+    port = _free_port()
+    edge_url = f"http://127.0.0.1:{port}"
+    edge = subprocess.Popen(
+        [sys.executable, "-m", "kvcdn.cli.main", "edge", "serve", "--origin", str(store),
+         "--cache-dir", str(work / "edge"), "--listen", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=open(log, "a"), env=env,
+    )  # fmt: skip
+    rows = []
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{edge_url}/healthz", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        transfer = {
+            "kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn.sdk.vllm",
+            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"store": str(store), "model": folder,
+                                          "edges": [edge_url]},
+        }  # fmt: skip
+        plan = [("prefill", {"kvcdn_load": False}),
+                ("kvcdn fp16", {"kvcdn_quality": "fp16"}),
+                ("kvcdn default", {"kvcdn_quality": "default"})]  # fmt: skip
+        for label, workers, engine in TOPOLOGIES:
+            print(f"engine: {label}", flush=True)
+            child_env = dict(env)
+            if workers > 1:
+                child_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(workers)))
+            results = _run_child({
+                "folder": folder, "block_size": args.block_size, "transfer": transfer,
+                "edge": edge_url, "max_model_len": CONTEXT,
+                "engine": {"dtype": "float32", **engine},
+                "requests": _requests(docs, plan, args.repeats),
+            }, child_env, log)  # fmt: skip
+            by: dict[tuple[str, str], list[dict]] = {}
+            for r in results:
+                if not r["label"].startswith("warm-up"):
+                    by.setdefault((r["doc"], r["label"]), []).append(r)
+            for (doc, what), rs in by.items():
+                level = what.rsplit(" ", 1)[-1]
+                fetched = int(statistics.median(r["edge_bytes"] for r in rs))
+                whole = 0 if what == "prefill" else _level_bytes(
+                    manifests[doc], level, rs[-1]["cached_tokens"])  # fmt: skip
+                rows.append({"doc": doc, "topology": label, "config": what,
+                             "ttft_s": statistics.median(r["seconds"] for r in rs),
+                             "loaded_tokens": rs[-1]["cached_tokens"], "objects_bytes": whole,
+                             "fetched_bytes": fetched, "per_worker_bytes": fetched / workers,
+                             "runs": [r["seconds"] for r in rs]})  # fmt: skip
+    finally:
+        edge.terminate()
+        edge.wait(timeout=30)
+    print(f"\n{'document':<11} {'topology':<6} {'configuration':<14} {'TTFT s':>7} "
+          f"{'vs prefill':>10} {'loaded':>7} {'objects MB':>10} {'per worker MB':>13}")
+    for row in rows:
+        prefill = next(r["ttft_s"] for r in rows if r["doc"] == row["doc"]
+                       and r["topology"] == row["topology"] and r["config"] == "prefill")
+        row["prefill_over_ttft"] = prefill / row["ttft_s"]
+        print(f"{row['doc']:<11} {row['topology']:<6} {row['config']:<14} {row['ttft_s']:>7.3f} "
+              f"{row['prefill_over_ttft']:>9.2f}x {row['loaded_tokens']:>7} "
+              f"{row['objects_bytes'] / 1e6:>10.2f} {row['per_worker_bytes'] / 1e6:>13.2f}")
+    from importlib.metadata import version
+
+    report = {"conditions": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                             "vllm": version("vllm-cpu") if _installed("vllm-cpu")
+                             else version("vllm"), "repeats": args.repeats,
+                             "tokens": {d: len(ids) for d, ids in docs.items()}},
+              "rows": rows}  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))

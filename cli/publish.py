@@ -72,6 +72,14 @@ from .app import (
     "started for the run (pip install 'kvcdn[vllm]'), whose KV kvcdn's connector captures.",
 )
 @click.option(
+    "--device-map",
+    type=click.Choice(["auto", "balanced", "balanced_low_0", "sequential"]),
+    default=None,
+    help="Spread a model larger than one GPU over the GPUs present (and the CPU for "
+    "what does not fit), with accelerate; its KV is read layer by layer from each "
+    "layer's device. Instead of --device.",
+)
+@click.option(
     "--tensor-parallel-size",
     "tensor_parallel",
     type=click.IntRange(min=1),
@@ -132,6 +140,7 @@ def publish(
     name: str | None,
     sign_key_files: tuple[Path, ...],
     engine: str,
+    device_map: str | None,
     tensor_parallel: int,
     pipeline_parallel: int,
     ray_address: str | None,
@@ -199,6 +208,10 @@ def publish(
         seen[doc_name] = path
     if ray_address is None and (actors is not None or threads != 1):
         raise click.UsageError("--actors and --threads go with --ray")
+    if device_map is not None and (device is not None or engine == "vllm"
+                                   or ray_address is not None):  # fmt: skip
+        raise click.UsageError("--device-map places the model for transformers in this "
+                               "process: drop --device, --engine vllm and --ray")  # fmt: skip
     if (tensor_parallel > 1 or pipeline_parallel > 1) and engine != "vllm":
         raise click.UsageError("--tensor-parallel-size and --pipeline-parallel-size split a "
                                "vLLM engine: add --engine vllm")  # fmt: skip
@@ -222,7 +235,7 @@ def publish(
         return
     with ExitStack() as stack:
         with err.status("loading model…"):
-            loaded = load_model(model, device)
+            loaded = load_model(model, device, device_map=device_map)
         prefill = None
         if engine == "vllm":
             prefill = _vllm_prefill(model, stack, tensor_parallel, pipeline_parallel)

@@ -487,12 +487,16 @@ class LoadedModel:
 
 
 def kv_from_cache(cache: Any) -> torch.Tensor:
-    """Stack a transformers cache into ``[L, 2, H, T, D]`` (batch of one)."""
+    """Stack a transformers cache into ``[L, 2, H, T, D]`` (batch of one). A model spread
+    over devices has each layer's KV on that layer's device: it is read layer by layer
+    to the CPU."""
     import torch
 
+    spread = len({layer.keys.device for layer in cache.layers}) > 1
     layers = []
     for layer in cache.layers:
-        layers.append(torch.stack([layer.keys[0], layer.values[0]]))
+        kv = torch.stack([layer.keys[0], layer.values[0]])
+        layers.append(kv.cpu() if spread else kv)
     return torch.stack(layers)
 
 
@@ -509,13 +513,29 @@ def _as_list(value: Any) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def load_model(name: str | None = None, device: str | None = None) -> LoadedModel:
+#: ``device_map`` values: accelerate places the model's layers over the GPUs there are
+#: (and the CPU, then disk, for what does not fit).
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def load_model(name: str | None = None, device: str | None = None, *,
+               device_map: str | None = None) -> LoadedModel:  # fmt: skip
     """Load the model called ``name`` (an alias, Hugging Face id or local path; default:
-    the embedded one) on ``device`` (default: a CUDA GPU if there is one, else the CPU).
+    the embedded one) on ``device`` (default: a CUDA GPU if there is one, else the CPU),
+    or, with ``device_map`` (:data:`DEVICE_MAPS`: accelerate), its layers spread over
+    the GPUs present and the CPU: a model larger than one device. Its KV is then read
+    layer by layer from each layer's device.
 
     Every call loads it anew; :class:`ModelRegistry` (what an ``sdk.Client``
     holds) keeps loaded models for reuse.
     """
+    if device_map is not None:
+        if device is not None:
+            raise ModelError("give a device or a device map, not both")
+        if device_map not in DEVICE_MAPS:
+            raise ModelError(f"unknown device map {device_map!r} (one of "
+                             f"{', '.join(DEVICE_MAPS)})")  # fmt: skip
+        return _load(resolve_model(name), "cpu", device_map)
     return _load(resolve_model(name), best_device(device))
 
 
@@ -560,13 +580,14 @@ class ModelRegistry:
             self._models.clear()
 
 
-def _load(source: ModelSource, device: str) -> LoadedModel:
+def _load(source: ModelSource, device: str, device_map: str | None = None) -> LoadedModel:
     import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # GGUF loading is chatty about every tensor
     hf_logging.disable_progress_bar()  # progress is the caller's to show
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    spread = device_map is not None and torch.cuda.is_available()
+    dtype = torch.float32 if device == "cpu" and not spread else torch.bfloat16
     start = time.perf_counter()
     materialise_s = 0.0
     directory, gguf_file = source.directory, source.gguf_file
@@ -577,8 +598,13 @@ def _load(source: ModelSource, device: str) -> LoadedModel:
         except OSError as exc:  # a read-only or full cache: load the GGUF itself, slowly
             log.warning("cannot keep a Hugging Face folder of %s (%s); loading the GGUF "
                         "file, which is slower", source.name, exc)  # fmt: skip
-    tokenizer, model = _from_pretrained(source, directory, gguf_file, dtype)
-    model.to(device)
+    tokenizer, model = _from_pretrained(source, directory, gguf_file, dtype, device_map)
+    if device_map is None:
+        model.to(device)
+    else:  # inputs go where the embedding is; each layer runs where accelerate put it
+        device = str(model.get_input_embeddings().weight.device)
+        log.info("%s spread over %s", source.name,
+                 ", ".join(sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})))
     model.eval()
     log.info("loaded %s on %s in %.1f s", source.name, device, time.perf_counter() - start)
     loaded = LoadedModel(source, model, tokenizer, device)
@@ -587,18 +613,21 @@ def _load(source: ModelSource, device: str) -> LoadedModel:
 
 
 def _from_pretrained(
-    source: ModelSource, directory: str, gguf_file: str | None, dtype: Any
-) -> tuple[Any, Any]:
+    source: ModelSource, directory: str, gguf_file: str | None, dtype: Any,
+    device_map: str | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
+    model_kwargs = {} if device_map is None else {"device_map": device_map}
     try:
         # GGUF conversion draws a bare tqdm bar on stderr; progress is the caller's to show.
         with contextlib.redirect_stderr(io.StringIO()):
             tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs,
+                                                         **model_kwargs)  # fmt: skip
     except (OSError, ValueError) as exc:
         if Path(directory).is_dir():
             raise ModelError(f"cannot load model '{source.name}' from {directory}: {exc}") from None

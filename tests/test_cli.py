@@ -248,3 +248,28 @@ def test_console_script_is_installed():
     script = os.path.join(os.path.dirname(sys.executable), "kvcdn")
     result = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "0.1.0" in result.stdout
+
+
+def test_publish_with_a_device_map_publishes_what_one_device_does(random_llama, short_text,
+                                                                  tmp_path):  # fmt: skip
+    """``--device-map auto`` loads the model through accelerate's placement (here, with no
+    GPU, every layer on the CPU) and reads its KV layer by layer: the same objects as
+    ``--device cpu``, byte for byte. Mistakes are named, not raised."""
+    from kvcdn import catalog
+    from kvcdn.store import open_store
+
+    doc = tmp_path / "doc.md"
+    doc.write_text(short_text)
+    runner = CliRunner()
+    keys = []
+    for placement in (["--device-map", "auto"], ["--device", "cpu"]):
+        store = str(tmp_path / placement[1])
+        out = runner.invoke(cli, ["publish", str(doc), "--model", str(random_llama), "--store",
+                                  store, "--levels", "fp16", "--json", *placement])  # fmt: skip
+        assert out.exit_code == 0, out.output
+        manifest = catalog.read_manifest(open_store(store, create=False), "doc")
+        keys.append([c.objects["fp16"].key for c in manifest.chunks])
+    assert keys[0] == keys[1]
+    out = runner.invoke(cli, ["publish", str(doc), "--device-map", "auto", "--device", "cpu",
+                              "--store", str(tmp_path / "x")])  # fmt: skip
+    assert out.exit_code == 2 and "--device-map places the model" in out.output
