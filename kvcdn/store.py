@@ -34,9 +34,10 @@ import fsspec
 
 from . import keys, paths
 from .errors import FormatError, InputError, NotFound, StoreError
+from .manifest import ObjectSpan
 
 if TYPE_CHECKING:
-    from .manifest import ObjectRef, ObjectSpan
+    from .manifest import ObjectRef
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def read_bounds(
     if isinstance(key, str):
         return ReadSpec(key, max_bytes, check)
     own = key.check
-    if hasattr(key, "start"):  # an ObjectSpan
+    if isinstance(key, ObjectSpan):
         length = key.end - key.start
         bound = length if max_bytes is None else min(max_bytes, length)
         return ReadSpec(key.key, bound, _both(own, check), (key.start, key.end))
@@ -343,8 +344,8 @@ class Store(ReaderBase):
             if not piece:
                 return
             at += len(piece)
-            yield piece[: end - (at - len(piece))] if at > end else piece
-            if at < stop:
+            yield piece
+            if at < stop:  # the object ended first
                 return
 
     def pieces(

@@ -174,3 +174,36 @@ def test_a_layout_kvcdn_does_not_know_is_refused():
         PagedLayout.detect({"model.layers.0.attn": torch.zeros((4, 3, BLOCK, 128),
                                                                 dtype=torch.int8)},
                             identity, BLOCK)  # fmt: skip
+
+
+def test_a_tensor_parallel_rank_holds_the_heads_vllm_gives_it():
+    """vLLM splits KV heads evenly over ranks, or replicates each over ``size / heads``
+    consecutive ranks when there are more ranks than heads (QKVParallelLinear)."""
+    from kvcdn.errors import KvcdnError
+    from kvcdn.sdk.vllm.layout import rank_heads
+
+    assert rank_heads(4, 0, 1) == (0, 4)
+    assert [rank_heads(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [rank_heads(8, r, 8) for r in range(8)] == [(h, h + 1) for h in range(8)]
+    assert [rank_heads(2, r, 8) for r in range(8)] == [(0, 1)] * 4 + [(1, 2)] * 4
+    with pytest.raises(KvcdnError, match="do not split"):
+        rank_heads(3, 0, 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_a_pipeline_stage_holds_its_layers_and_a_rank_its_heads():
+    """A stage's caches carry the global layer numbers of its layers; a rank's, its
+    share of the heads: the layout knows which part of each object it loads."""
+    from kvcdn.container import Part
+    from kvcdn.errors import KvcdnError
+    from kvcdn.sdk.vllm.layout import PagedLayout
+
+    caches = _cpu_caches(4, (8, 2, BLOCK, 128), torch.bfloat16, stacked=True)
+    stage = {n.replace(f".{i}.", f".{i + 4}."): t
+             for i, (n, t) in enumerate(caches.items())}  # layers 4-7 of 8  # fmt: skip
+    paged = PagedLayout.detect(stage, _identity(8, 4, 64), BLOCK, (1, 2))
+    assert paged.part == Part((4, 8), (2, 4))
+    assert sorted(paged.caches) == [0, 1, 2, 3]
+    gap = dict(list(stage.items())[:1] + list(stage.items())[2:])
+    with pytest.raises(KvcdnError, match="layers"):
+        PagedLayout.detect(gap, _identity(8, 4, 64), BLOCK, (1, 2))
