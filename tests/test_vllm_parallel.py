@@ -22,7 +22,7 @@ from kvcdn.container import parse_index
 from kvcdn.document import read_document
 from kvcdn.publish import publish
 from kvcdn.store import open_store
-from tests.conftest import SED_MANUAL
+from tests.conftest import REPO, SED_MANUAL
 from tests.edge_helpers import EdgeProcess
 from tests.test_vllm import QUESTION, VLLM_LINE, _engine, _kl, _prompt
 
@@ -215,34 +215,39 @@ def test_a_section_corrupt_for_one_worker_is_recomputed_by_all(
 
 
 def test_publish_with_vllm_at_tp2_gathers_every_workers_heads(llama, random_llama, tmp_path,
-                                                              llama_store):  # fmt: skip
+                                                              llama_store, tp_engine):  # fmt: skip
     """``kvcdn publish --engine vllm --tensor-parallel-size 2``: each worker captures its
     two heads, the publisher puts them together, and the manifest is transformers'
-    (the same tokens and chunk hashes) with KV within bf16's error of its float32."""
+    (the same tokens and chunk hashes) with KV within bf16's error of its float32;
+    vLLM at TP=2 loads it back (and at PP=2, below)."""
     import subprocess
     import sys
 
     from kvcdn import sdk
+    from kvcdn.kv import split_chunks
     from kvcdn.models import kv_from_cache
     from tests.cli_json import parsed
     from tests.test_vllm import _vllm_env
 
-    store = tmp_path / "store"
+    text = read_document(REPO / "kvcdn" / "data" / "calibration" / "git.txt")
+    doc = tmp_path / "git.txt"
+    doc.write_text(text)
     env = {k: v for k, v in _vllm_env(tmp_path).items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     done = subprocess.run(
-        [sys.executable, "-m", "kvcdn.cli.main", "publish", str(SED_MANUAL), "--engine", "vllm",
-         "--tensor-parallel-size", "2", "--model", str(random_llama), "--name", "sed",
-         "--store", str(store), "--levels", "fp16", "--json"],
+        [sys.executable, "-m", "kvcdn.cli.main", "publish", str(doc), "--engine", "vllm",
+         "--tensor-parallel-size", "2", "--model", str(random_llama), "--store",
+         str(llama_store), "--levels", "fp16", "--json"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert parsed("publish", done.stdout)[0]["name"] == "sed"
-    by_vllm = catalog.read_manifest(open_store(str(store), create=False), "sed")
-    by_transformers = catalog.read_manifest(open_store(str(llama_store), create=False), "sed")
-    assert [c.hash for c in by_vllm.chunks] == [c.hash for c in by_transformers.chunks]
-    reference = llama.prefill(by_transformers.token_ids)
-    with sdk.Client(store=str(store)) as client:
-        loaded = kv_from_cache(client.load_context("sed", quality="fp16", model=llama).cache)
+    assert parsed("publish", done.stdout)[0]["name"] == "git"
+    by_vllm = catalog.read_manifest(open_store(str(llama_store), create=False), "git")
+    ids = llama.document_ids(text)
+    assert [c.hash for c in by_vllm.chunks] == [
+        c.hash for c in split_chunks(llama.fingerprint, ids, 256)]
+    reference = llama.prefill(ids)
+    with sdk.Client(store=str(llama_store)) as client:
+        loaded = kv_from_cache(client.load_context("git", quality="fp16", model=llama).cache)
     diff = (loaded.float() - reference).transpose(1, 2).flatten(2)  # [L, H, 2 * T * D]
     errors = diff.norm(dim=2) / reference.transpose(1, 2).flatten(2).norm(dim=2)
     print(f"vLLM TP=2 bf16 prefill against transformers' fp32: relative error by layer and "
@@ -253,6 +258,14 @@ def test_publish_with_vllm_at_tp2_gathers_every_workers_heads(llama, random_llam
     assert (errors[0] < 0.01).all()
     assert (errors.max(dim=1).values <= 1.1 * errors.min(dim=1).values).all()
     assert errors.max() < 0.15
+    prompt = _prompt(llama, text, QUESTION)
+    own = tp_engine.ask(prompt, kvcdn_load=False)
+    out = tp_engine.ask(prompt, kvcdn_quality="fp16", kvcdn_load_mode="async")
+    kl = _kl(own["first_logprobs"], out["first_logprobs"])
+    print(f"vLLM TP=2-published fp16 into vLLM TP=2 (float32): KL of the first token {kl:.4f}")
+    assert out["num_cached_tokens"] >= 256
+    assert out["token_ids"][0] == own["token_ids"][0]
+    assert kl <= 0.1  # 0.026 measured: bf16's KV error, large in this random-weight model
 
 
 def _peak_rss(args: list[str]) -> tuple[int, str]:
@@ -321,6 +334,14 @@ def test_pipeline_stages_load_their_own_layers(pp_engine, llama, llama_store, se
         assert out["num_cached_tokens"] == claimed > 0
         assert out["kv_transfer_params"]["kvcdn"]["loaded_tokens"] == claimed
         _same_answer(out, own)
+    # the document vLLM published at TP=2 (above) loads at PP=2
+    text = read_document(REPO / "kvcdn" / "data" / "calibration" / "git.txt")
+    prompt = _prompt(llama, text, QUESTION)
+    own_git = pp_engine.ask(prompt, kvcdn_load=False)
+    out = pp_engine.ask(prompt, kvcdn_quality="fp16")
+    assert out["kv_transfer_params"]["kvcdn"]["document"] == "git@1"
+    assert out["token_ids"][0] == own_git["token_ids"][0]
+    assert _kl(own_git["first_logprobs"], out["first_logprobs"]) <= 0.1
     out = pp_engine.ask(sed, kvcdn_quality="default")
     store = open_store(str(llama_store), create=False)
     reference = _transformers_first_logprobs(llama, store, "sed", "default", sed,
