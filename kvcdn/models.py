@@ -151,12 +151,12 @@ def unsupported_attention(config: Any) -> str | None:
     text = getattr(config, "text_config", None) or config
     if getattr(text, "kv_lora_rank", None):
         return "it uses multi-head latent attention (MLA), whose KV kvcdn does not store"
-    window = getattr(text, "sliding_window", None)
-    if window and getattr(text, "use_sliding_window", True) is not False:
-        return f"it attends within a sliding window of {window} tokens"
     kinds = set(getattr(text, "layer_types", None) or ())
     if kinds - {"full_attention"}:
         return f"it mixes layer kinds ({', '.join(sorted(map(str, kinds)))})"
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True) is not False:
+        return f"it attends within a sliding window of {window} tokens"
     if isinstance(getattr(text, "head_dim", None), list | tuple):
         return "its layers have different head sizes"
     return None

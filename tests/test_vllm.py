@@ -583,3 +583,61 @@ def test_an_edge_that_never_answers_costs_one_budget_then_is_skipped(
         outcome = out["kv_transfer_params"]["kvcdn"]
         assert outcome["loaded_tokens"] == outcome["claimed_tokens"] > 0, outcome
         assert out["token_ids"] == own["token_ids"]
+
+
+# ---- models kvcdn cannot serve: refused at start, and said so --------------------------
+
+
+def test_attention_kvcdn_cannot_hold_is_named():
+    """Latent attention, sliding windows, hybrid layer kinds: each named; a Qwen2-style
+    config that declares a window it does not use is served."""
+    from transformers import DeepseekV2Config, Gemma2Config, LlamaConfig, Qwen2Config
+
+    from kvcdn.models import unsupported_attention
+
+    assert unsupported_attention(LlamaConfig()) is None
+    assert unsupported_attention(Qwen2Config(use_sliding_window=False)) is None
+    assert "latent attention" in unsupported_attention(DeepseekV2Config(kv_lora_rank=512))
+    assert "mixes layer kinds" in unsupported_attention(Gemma2Config())
+    from transformers import MistralConfig
+
+    assert "sliding window of 128" in unsupported_attention(MistralConfig(sliding_window=128))
+
+
+def test_a_sliding_window_model_is_refused_at_start_and_vllm_serves_alone(
+    tmp_path_factory, model
+):
+    """A Mistral-architecture model attending within a 128-token window: the connector
+    refuses it at start with one line naming why, on the scheduler and the worker, and
+    vLLM answers every request itself (nothing claimed, no load, no recovery)."""
+    import shutil
+
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from kvcdn.models import model_folder
+
+    folder = tmp_path_factory.mktemp("windowed")
+    source = Path(model_folder("smollm2-135m"))
+    tokenizer = model.tokenizer
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=128,
+        max_position_embeddings=8192, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    store = tmp_path_factory.mktemp("windowed-store")
+    extra = {"store": str(store), "model": str(folder), "lookup_ttl_s": 0}
+    prompt = list(range(1000, 1600))
+    with _engine(tmp_path_factory.mktemp("vllm-windowed"), str(folder), extra) as engine:
+        out = engine.ask(prompt)
+    assert len(out["token_ids"]) == 32 and not (out["kv_transfer_params"] or {}).get("kvcdn")
+    said = [line for line in engine.log.read_text().splitlines()
+            if "kvcdn connector disabled" in line]  # fmt: skip
+    assert said and all("sliding window of 128 tokens" in line for line in said), said
+    assert all(VLLM_LINE.match(line) for line in said), said
