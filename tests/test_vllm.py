@@ -79,12 +79,14 @@ class Engine:
         raise AssertionError(f"the vLLM driver exited: {self.log.read_text()[-3000:]}")
 
     def ask(self, prompt_ids: list[int], *, reset: bool = True,
-            beside: list[list[int]] | None = None, **params) -> dict:  # fmt: skip
+            beside: list[list[int]] | None = None, capture: bool = False,
+            **params) -> dict:  # fmt: skip
         """One request (``params``: its kv_transfer_params), and ``beside`` it in the same
-        batch, plain requests kvcdn keeps out of."""
+        batch, plain requests kvcdn keeps out of; with ``capture``, its prompt's KV is
+        captured (the reply's ``capture`` names it in the engine's capture folder)."""
         assert self.proc.stdin is not None
         line = {"prompt_ids": prompt_ids, "params": params, "reset_prefix_cache": reset,
-                "beside": beside or []}  # fmt: skip
+                "beside": beside or [], "capture": capture}  # fmt: skip
         self.proc.stdin.write(json.dumps(line) + "\n")
         self.proc.stdin.flush()
         return self.read_reply()

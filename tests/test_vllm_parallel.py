@@ -126,6 +126,22 @@ def test_tensor_parallel_workers_load_their_own_heads(tp_engine, llama, llama_st
     assert fetched == whole + sum(r.index.bytes for r in refs), (fetched, whole)
     log = tp_engine.log.read_text()
     assert "kvcdn connector disabled" not in log
+    # publishing from this engine: each worker captures its heads, put together
+    error = _captured_as_transformers(tp_engine, llama, sed)
+    print(f"TP=2 float32 capture against transformers' float32: relative error {error:.2e}")
+    assert error < 1e-3
+
+
+def _captured_as_transformers(engine, llama, prompt: list[int]) -> float:
+    """The engine's workers capture their parts of the prompt's KV, put together
+    (``read_capture``); its relative error against transformers' float32 prefill."""
+    from kvcdn.sdk.vllm.layout import read_capture
+
+    out = engine.ask(prompt, capture=True, kvcdn_load=False)
+    kv = read_capture(str(engine.log.parent), out["capture"], 4, 4)
+    assert kv is not None and kv.shape[:3] == (4, 2, 4)
+    reference = llama.prefill(prompt[: kv.shape[3]])
+    return ((kv.float() - reference).norm() / reference.norm()).item()
 
 
 def _same_answer(out: dict, own: dict) -> None:
@@ -214,25 +230,21 @@ def test_a_section_corrupt_for_one_worker_is_recomputed_by_all(
     _same_answer(again, own)
 
 
-def test_publish_with_vllm_at_tp2_gathers_every_workers_heads(llama, random_llama, tmp_path,
-                                                              llama_store, tp_engine):  # fmt: skip
-    """``kvcdn publish --engine vllm --tensor-parallel-size 2``: each worker captures its
-    two heads, the publisher puts them together, and the manifest is transformers'
-    (the same tokens and chunk hashes) with KV within bf16's error of its float32;
-    vLLM at TP=2 loads it back (and at PP=2, below)."""
+@pytest.fixture(scope="module")
+def git_by_vllm(tmp_path_factory, random_llama, llama_store) -> str:
+    """``kvcdn publish --engine vllm --tensor-parallel-size 2`` of git's manual into the
+    engines' store (as ``git``); its text."""
     import subprocess
     import sys
 
-    from kvcdn import sdk
-    from kvcdn.kv import split_chunks
-    from kvcdn.models import kv_from_cache
     from tests.cli_json import parsed
     from tests.test_vllm import _vllm_env
 
+    tmp = tmp_path_factory.mktemp("vllm-publish")
     text = read_document(REPO / "kvcdn" / "data" / "calibration" / "git.txt")
-    doc = tmp_path / "git.txt"
+    doc = tmp / "git.txt"
     doc.write_text(text)
-    env = {k: v for k, v in _vllm_env(tmp_path).items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    env = {k: v for k, v in _vllm_env(tmp).items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     done = subprocess.run(
         [sys.executable, "-m", "kvcdn.cli.main", "publish", str(doc), "--engine", "vllm",
          "--tensor-parallel-size", "2", "--model", str(random_llama), "--store",
@@ -241,6 +253,20 @@ def test_publish_with_vllm_at_tp2_gathers_every_workers_heads(llama, random_llam
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert parsed("publish", done.stdout)[0]["name"] == "git"
+    return text
+
+
+def test_publish_with_vllm_at_tp2_gathers_every_workers_heads(llama, llama_store, tp_engine,
+                                                              git_by_vllm):  # fmt: skip
+    """``kvcdn publish --engine vllm --tensor-parallel-size 2``: each worker captures its
+    two heads, the publisher puts them together, and the manifest is transformers'
+    (the same tokens and chunk hashes) with KV within bf16's error of its float32;
+    vLLM at TP=2 loads it back (and at PP=2, below)."""
+    from kvcdn import sdk
+    from kvcdn.kv import split_chunks
+    from kvcdn.models import kv_from_cache
+
+    text = git_by_vllm
     by_vllm = catalog.read_manifest(open_store(str(llama_store), create=False), "git")
     ids = llama.document_ids(text)
     assert [c.hash for c in by_vllm.chunks] == [
@@ -325,7 +351,8 @@ def pp_engine(tmp_path_factory, random_llama, llama_store, tp_engine):
         yield engine
 
 
-def test_pipeline_stages_load_their_own_layers(pp_engine, llama, llama_store, sed):
+def test_pipeline_stages_load_their_own_layers(pp_engine, llama, llama_store, sed,
+                                               git_by_vllm):  # fmt: skip
     """At PP=2 each stage loads layers 0-1 or 2-3 of every chunk: vLLM's own answer."""
     own = pp_engine.ask(sed, kvcdn_load=False)
     for mode in ("sync", "async"):
@@ -334,9 +361,11 @@ def test_pipeline_stages_load_their_own_layers(pp_engine, llama, llama_store, se
         assert out["num_cached_tokens"] == claimed > 0
         assert out["kv_transfer_params"]["kvcdn"]["loaded_tokens"] == claimed
         _same_answer(out, own)
-    # the document vLLM published at TP=2 (above) loads at PP=2
-    text = read_document(REPO / "kvcdn" / "data" / "calibration" / "git.txt")
-    prompt = _prompt(llama, text, QUESTION)
+    error = _captured_as_transformers(pp_engine, llama, sed)  # each stage its layers
+    print(f"PP=2 float32 capture against transformers' float32: relative error {error:.2e}")
+    assert error < 1e-3
+    # the document vLLM published at TP=2 loads at PP=2
+    prompt = _prompt(llama, git_by_vllm, QUESTION)
     own_git = pp_engine.ask(prompt, kvcdn_load=False)
     out = pp_engine.ask(prompt, kvcdn_quality="fp16")
     assert out["kv_transfer_params"]["kvcdn"]["document"] == "git@1"
