@@ -290,6 +290,10 @@ class Pipeline:
         part = target.part
         self.part = None if part is None or part.is_whole(
             (layout["layers"], 2, layout["kv_heads"])) else part  # fmt: skip
+        #: The part's share of each chunk's KV (what its fetches and decodes cost).
+        self.share = 1.0 if self.part is None else (
+            self.part.layer_count * self.part.head_count
+            / (layout["layers"] * layout["kv_heads"]))  # fmt: skip
         self.reader = reader
         self.placement = manifest.chain_hash  # a document's objects are served together
         self.profile = profile
@@ -323,8 +327,13 @@ class Pipeline:
             if ref is None or name in chunk.unusable:
                 continue
             decode_s = self.speed.decode_seconds(self.manifest.levels[name].id, tokens)
+            nbytes = ref.bytes
+            if self.part is not None:  # the part's share of the decode, and of the bytes
+                decode_s *= self.share
+                if ref.index is not None:
+                    nbytes = ref.index.bytes + round((ref.bytes - ref.index.bytes) * self.share)
             options.append(
-                Option(name, ref.bytes, self.options.quality_of[name],
+                Option(name, nbytes, self.options.quality_of[name],
                        decode_s * self.decode_factor)  # fmt: skip
             )
         if self.mode.allow_text or not options:
@@ -419,7 +428,8 @@ class Pipeline:
                     tokens=c.entry.end - c.entry.start,
                     level=c.option.level,
                     source=c.source,
-                    bytes=c.option.bytes,
+                    # what a part read fetched (its index and sections), else the object
+                    bytes=c.data.nbytes if isinstance(c.data, PartRead) else c.option.bytes,
                     start_s=c.start_s,
                     ready_s=c.ready_s,
                     quality=c.option.quality,

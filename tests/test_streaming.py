@@ -155,3 +155,54 @@ def test_bad_quality_and_deadline_are_clear_errors(store, model):
         load_context("sed-manual", model=model, store=str(store), quality="int4")
     with pytest.raises(InputError, match="deadline_s must be a positive"):
         load_context("sed-manual", model=model, store=str(store), deadline_s=0)
+
+
+def test_a_target_holding_part_of_the_heads_loads_only_that_part(store, reference, model):
+    """The engine's load path into a target that holds one of the three KV heads (as a
+    tensor-parallel worker does): every chunk fetches its object's index and that
+    head's sections only, reports those bytes, plans with the part's share of each
+    object, and holds exactly that head of what a whole load gives."""
+    from kvcdn.codecs import TensorDest
+    from kvcdn.container import Part, parse_index
+    from kvcdn.profile_store import ProfileCache
+    from kvcdn.sdk.loader import load_prefix_into
+    from kvcdn.sdk.planner import plan
+
+    manifest = read_manifest(open_store(str(store)), "sed-manual", None)
+    part = Part((0, 30), (1, 2))
+
+    class HeadTarget:
+        def __init__(self) -> None:
+            self.part = part
+            self.tokens = manifest.token_count
+            self.kv = torch.empty((30, 2, 1, manifest.token_count, 64))
+
+        def chunk(self, start, end):
+            return TensorDest(self.kv[:, :, :, start:end])
+
+        def prefix(self, end):
+            raise AssertionError("an engine's load recomputes nothing")
+
+        def commit(self, start, end):
+            pass
+
+        def finish(self):
+            pass
+
+    target = HeadTarget()
+    result = load_prefix_into(
+        target, manifest, open_store(str(store)), chunks=(0, len(manifest.chunks)),
+        quality="nearlossless", device="cpu", predictor=HarmonicPredictor(), policy=plan,
+        profiles=ProfileCache(), fingerprint=model.fingerprint,
+    )  # fmt: skip
+    assert result.loaded_chunks == len(manifest.chunks)
+    root = open_store(str(store))
+    for chunk, report in zip(manifest.chunks, result.chunks, strict=True):
+        ref = chunk.objects["nearlossless"]
+        index = parse_index(root.get(ref))
+        own = sum(index.lengths[i] for i in part.section_ids(30))
+        assert report.bytes == ref.index.bytes + own < ref.bytes / 2
+    from kvcdn.models import kv_from_cache
+
+    whole = kv_from_cache(reference.cache)
+    assert torch.equal(target.kv, whole[:, :, 1:2, : manifest.token_count].float())
