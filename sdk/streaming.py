@@ -106,6 +106,7 @@ class _Chunk:
     attempt: int = 0  # events from an abandoned fetch carry an older attempt
     cancel: Cancel = field(default_factory=Cancel)
     data: bytes | PartRead = b""  # the whole object, or the part the target holds
+    part_bytes: int = 0  # what a part read fetched (its index and sections)
     source: str = ""
     start_s: float = 0.0
     ready_s: float = 0.0
@@ -429,7 +430,7 @@ class Pipeline:
                     level=c.option.level,
                     source=c.source,
                     # what a part read fetched (its index and sections), else the object
-                    bytes=c.data.nbytes if isinstance(c.data, PartRead) else c.option.bytes,
+                    bytes=c.part_bytes or c.option.bytes,
                     start_s=c.start_s,
                     ready_s=c.ready_s,
                     quality=c.option.quality,
@@ -578,6 +579,7 @@ class Pipeline:
                     data, source = got.data, got.source
                 if not cancel.is_set():
                     c.data, c.source = data, source
+                    c.part_bytes = data.nbytes if isinstance(data, PartRead) else 0
                 self.events.put(_Fetched(c, attempt))
             except FetchCancelled:
                 self.events.put(_Fetched(c, attempt, cancelled=True))
