@@ -234,21 +234,9 @@ def main() -> None:
         "requests": _requests(docs, [("example", {})], args.repeats),
     }, env, log)]  # fmt: skip
     for rate in args.rates.split(","):
-        port = _free_port()
-        edge_url = f"http://127.0.0.1:{port}"
-        edge = subprocess.Popen(
-            [sys.executable, "-m", "kvcdn.cli.main", "edge", "serve", "--origin", str(store),
-             "--cache-dir", str(work / f"edge-{rate}"), "--listen", f"127.0.0.1:{port}",
-             "--rate-limit", rate],
-            stdout=subprocess.DEVNULL, stderr=open(log, "a"), env=env,
-        )  # fmt: skip
+        edge, edge_url = _start_edge(store, work / f"edge-{rate}", log, env,
+                                     "--rate-limit", rate)  # fmt: skip
         try:
-            for _ in range(300):
-                try:
-                    urllib.request.urlopen(f"{edge_url}/healthz", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
             transfer = json.loads(json.dumps(kvcdn_transfer))
             transfer["kv_connector_extra_config"]["edges"] = [edge_url]
             plan = [(f"kvcdn edge {rate} {lv}", {"kvcdn_quality": lv})
@@ -310,21 +298,9 @@ def parallel(args: Any) -> None:
         rendered = model.tokenizer.apply_chat_template(
             [user_message(text, QUESTION)], tokenize=False, add_generation_prompt=True)
         docs[name] = list(model.tokenizer(rendered, add_special_tokens=False).input_ids)
-    port = _free_port()
-    edge_url = f"http://127.0.0.1:{port}"
-    edge = subprocess.Popen(
-        [sys.executable, "-m", "kvcdn.cli.main", "edge", "serve", "--origin", str(store),
-         "--cache-dir", str(work / "edge"), "--listen", f"127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=open(log, "a"), env=env,
-    )  # fmt: skip
+    edge, edge_url = _start_edge(store, work / "edge", log, env)
     rows = []
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{edge_url}/healthz", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
         transfer = {
             "kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn.sdk.vllm",
             "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
@@ -468,6 +444,26 @@ def _installed(dist: str) -> bool:
         return True
     except PackageNotFoundError:
         return False
+
+
+def _start_edge(store: Path, cache: Path, log: Path, env: dict[str, str],
+                *extra: str) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """``kvcdn edge serve`` in front of ``store`` (``extra``: more of its options), once
+    it answers its health check; the process and its URL."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    edge = subprocess.Popen(
+        [sys.executable, "-m", "kvcdn.cli.main", "edge", "serve", "--origin", str(store),
+         "--cache-dir", str(cache), "--listen", f"127.0.0.1:{port}", *extra],
+        stdout=subprocess.DEVNULL, stderr=open(log, "a"), env=env,
+    )  # fmt: skip
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{url}/healthz", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    return edge, url
 
 
 def _free_port() -> int:

@@ -59,22 +59,9 @@ class RansCodec(Codec):
     def encode(
         self, kv: torch.Tensor, params: dict[str, Any], profile: CodecProfile | None, start: int
     ) -> bytes:
-        from kvcdn.kernels import rans_numba
-
-        if profile is None:
-            raise InputError(f"level {params.get('level')} needs the model's codec profile")
-        level = params["level"]
-        layers, two, heads, tokens, dim = kv.shape
-        lay = profile.layout
-        if (layers, heads, dim) != (lay.layers, lay.kv_heads, lay.head_dim):
-            raise InputError("the KV does not have the shape the codec profile was calibrated for")
-        groups = layers * two * heads
-        sinks = max(0, min(profile.sinks - start, tokens))
-        x = kv.float().numpy().reshape(groups, tokens, dim)
-        states, words, word_start = rans_numba.quantise_encode(
-            x[:, sinks:], *profile.quantiser(level), profile.freqs
-        )
-        sink = x[:, :sinks].astype(np.float16)
+        groups, sinks, sink, states, words, word_start = _code_groups(kv, params, profile,
+                                                                      start)  # fmt: skip
+        tokens, dim = kv.shape[3], kv.shape[4]
         return b"".join(
             (
                 _PREAMBLE.pack(groups, tokens, dim, sinks),
@@ -121,23 +108,9 @@ class RansCodec(Codec):
     ) -> list[bytes]:
         """The streams of all groups coded at once (as :meth:`encode`), then cut into
         one section per head and layer: its K and V groups' states, sinks and words."""
-        from kvcdn.kernels import rans_numba
-
-        if profile is None:
-            raise InputError(f"level {params.get('level')} needs the model's codec profile")
-        layers, two, heads, tokens, dim = kv.shape
-        lay = profile.layout
-        if (layers, heads, dim) != (lay.layers, lay.kv_heads, lay.head_dim):
-            raise InputError("the KV does not have the shape the codec profile was calibrated for")
-        groups = layers * two * heads
-        sinks = max(0, min(profile.sinks - start, tokens))
-        x = kv.float().numpy().reshape(groups, tokens, dim)
-        states, words, word_start = rans_numba.quantise_encode(
-            x[:, sinks:], *profile.quantiser(params["level"]), profile.freqs
-        )
-        states = states.astype("<u4")
-        sink = x[:, :sinks].astype("<f2")
-        words = words.astype("<u2")
+        _, sinks, sink, states, words, word_start = _code_groups(kv, params, profile, start)
+        layers, _, heads = kv.shape[:3]
+        states, words = states.astype("<u4"), words.astype("<u2")
         out = []
         for h in range(heads):
             for layer in range(layers):
@@ -178,6 +151,29 @@ class RansCodec(Codec):
             _decode_body(streams, dest, parts.groups, tokens, s, dim)
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
+
+
+def _code_groups(
+    kv: torch.Tensor, params: dict[str, Any], profile: CodecProfile | None, start: int
+) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every group (layer, K/V, head) of ``kv`` quantised and rANS-coded at once, as both
+    versions' payloads hold them: (groups, exact tokens S, sinks float16 [G, S, D],
+    states [G, D], words, word_start [G + 1])."""
+    from kvcdn.kernels import rans_numba
+
+    if profile is None:
+        raise InputError(f"level {params.get('level')} needs the model's codec profile")
+    layers, two, heads, tokens, dim = kv.shape
+    lay = profile.layout
+    if (layers, heads, dim) != (lay.layers, lay.kv_heads, lay.head_dim):
+        raise InputError("the KV does not have the shape the codec profile was calibrated for")
+    groups = layers * two * heads
+    sinks = max(0, min(profile.sinks - start, tokens))
+    x = kv.float().numpy().reshape(groups, tokens, dim)
+    states, words, word_start = rans_numba.quantise_encode(
+        x[:, sinks:], *profile.quantiser(params["level"]), profile.freqs
+    )
+    return groups, sinks, x[:, :sinks].astype("<f2"), states, words, word_start
 
 
 def _decode_body(
