@@ -1,0 +1,228 @@
+"""Nested quantisation: the ladder as one base and refinements that only add bytes.
+
+The design the progressive ladder (one object per chunk, every level a prefix of
+its sections) is built on; ``bench/progressive.py`` measures it against today's
+independently coded levels, and ``docs/levels.md`` gives the figures.
+
+* **Base.** Each stream (layer, K/V, head, channel) is quantised as the ladder codec
+  does: a midtread uniform quantiser around the calibrated mean, step ``s0``.
+* **Refinements split cells in three.** A midtread quantiser of step ``s / 3``
+  nests exactly in one of step ``s``: each coarse cell is three fine ones, the
+  middle one centred where the coarse cell was. So level ``k`` of a stream is
+  simply the midtread quantiser of step ``s0 / 3**j``, where ``j`` is how many
+  refinements up to ``k`` split that stream, and its index ``n`` follows from the
+  level below's ``p`` and a ternary symbol ``c``: ``n = 3 p + c - 1``. Splitting in
+  two would nest too, but turns the quantiser midrise (no cell centred on the
+  mean): on SmolLM2-135M that costs several times the KL at the same step, because
+  the many channels whose values sit near their mean are then all moved by a
+  quarter step, the same way on every token.
+* **Which streams a refinement splits.** A split in three costs a stream about
+  ``log2 3`` bits per element at high resolution and much less where most values
+  fall in the middle cell; its benefit in the model's output is taken as
+  ``fisher * step**2 * (1 - 1/9) / 12`` (the calibration's sensitivity times the
+  step's uniform-noise distortion; a *measured* distortion undervalues channels
+  whose document mean moves away from the calibrated one, which an unsplit coarse
+  step then misses on every token). Streams are split in order of benefit per
+  bit, and each level splits the fraction whose measured KL on the calibration
+  texts meets the level's target.
+* **Coding a refinement symbol.** ``c`` is turned to count from the side nearest
+  the mean (``s = c`` above it, ``2 - c`` below), and coded with a table chosen by
+  ``min(|p|, 2)``: the middle cell's children are symmetric, its neighbours' lean
+  towards the mean, the tails' are near uniform.
+
+Everything here is the numpy reference; kernels and the container follow it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+SPLIT = 3
+#: Base indices are clipped to this magnitude (8-bit symbols, as the ladder codec's).
+BASE_LIMIT = 127
+#: Contexts of a refinement symbol: the parent index is 0, +-1, or further out.
+CONTEXTS = 3
+
+
+@dataclass(frozen=True)
+class NestedPlan:
+    """Per stream: the base step, and how many splits each level has made.
+
+    Streams are flattened to ``N`` (layer, K/V, head, channel order); ``depth[k]`` is
+    ``j`` at level ``k`` (``depth[0]`` is all zeros: the base), non-decreasing in ``k``
+    by at most one a level.
+    """
+
+    base_step: np.ndarray  # float64 [N]
+    depth: np.ndarray  # int64 [levels, N]
+
+    def __post_init__(self) -> None:
+        if self.depth.ndim != 2 or self.depth.shape[1] != self.base_step.shape[0]:
+            raise ValueError("depth must be [levels, streams]")
+        steps = np.diff(self.depth, axis=0)
+        if np.any(self.depth[0] != 0) or np.any((steps != 0) & (steps != 1)):
+            raise ValueError("each level splits a stream at most once, from a base of none")
+
+    @property
+    def levels(self) -> int:
+        return self.depth.shape[0]
+
+    def step(self, level: int) -> np.ndarray:
+        """Each stream's quantiser step at ``level``."""
+        return self.base_step / float(SPLIT) ** self.depth[level]
+
+    def with_level(self, splits: np.ndarray) -> NestedPlan:
+        """This plan with one more level, splitting the streams where ``splits``."""
+        row = self.depth[-1] + splits.astype(np.int64)
+        return NestedPlan(self.base_step, np.vstack([self.depth, row[None]]))
+
+
+def base_plan(base_step: np.ndarray) -> NestedPlan:
+    return NestedPlan(np.asarray(base_step, dtype=np.float64),
+                      np.zeros((1, len(base_step)), dtype=np.int64))  # fmt: skip
+
+
+def indices(x: np.ndarray, plan: NestedPlan) -> list[np.ndarray]:
+    """The quantiser index of every value of ``x`` (``[N, T]``, mean removed) at every
+    level of ``plan``, base first. The finest level is quantised; each coarser one is
+    its parent cell, found by integer division, so levels nest exactly whatever the
+    rounding of a value on a cell boundary."""
+    top = plan.depth[-1][:, None]
+    scale = float(SPLIT) ** top
+    span = (scale - 1) // 2  # how far the finest index reaches past a base cell's centre
+    limit = BASE_LIMIT * scale + span
+    finest = np.clip(np.rint(x / (plan.base_step[:, None] / scale)), -limit, limit)
+    finest = np.nan_to_num(finest).astype(np.int64)
+    out = []
+    for k in range(plan.levels):
+        up = (float(SPLIT) ** (top - plan.depth[k][:, None])).astype(np.int64)
+        out.append(np.floor_divide(finest + (up - 1) // 2, up))
+    return out
+
+
+def reconstruct(n: np.ndarray, plan: NestedPlan, level: int) -> np.ndarray:
+    """Values (mean removed) of the level-``level`` indices ``n``."""
+    return n * plan.step(level)[:, None]
+
+
+def refinement_symbols(parent: np.ndarray, child: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The coded symbol (0 = the child nearest the mean) and its context of each split
+    cell: ``child`` indices at the finer level, ``parent`` at the one below."""
+    c = child - SPLIT * parent + 1
+    if np.any((c < 0) | (c >= SPLIT)):
+        raise ValueError("child indices do not nest in their parents")
+    sym = np.where(parent < 0, SPLIT - 1 - c, c)
+    ctx = np.minimum(np.abs(parent), CONTEXTS - 1)
+    return sym, ctx
+
+
+# ---- sizes (entropy estimates) -------------------------------------------------------
+
+
+def _row_entropy(sym: np.ndarray, bins: int) -> np.ndarray:
+    """Per row of ``sym`` (``[N, T]``, values in ``[0, bins)``): bits per element of an
+    ideal coder with the row's own frequencies."""
+    rows, count = sym.shape
+    flat = (np.arange(rows)[:, None] * bins + sym).ravel()
+    c = np.bincount(flat, minlength=rows * bins).reshape(rows, bins).astype(np.float64)
+    p = c / max(count, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return -np.where(c > 0, p * np.log2(p), 0.0).sum(axis=1)
+
+
+def base_bits(n: np.ndarray) -> np.ndarray:
+    """Bits per element of each stream's base indices."""
+    return _row_entropy(n + BASE_LIMIT, 2 * BASE_LIMIT + 1)
+
+
+def refinement_bits(parent: np.ndarray, child: np.ndarray) -> np.ndarray:
+    """Bits per element of each stream's refinement symbols given their contexts
+    (``H(symbol | context)``); a stream the refinement does not split (``child ==
+    parent`` everywhere) costs nothing."""
+    split = ~np.all(child == parent, axis=1)
+    out = np.zeros(parent.shape[0])
+    if split.any():
+        sym, ctx = refinement_symbols(parent[split], child[split])
+        out[split] = (_row_entropy(ctx * SPLIT + sym, CONTEXTS * SPLIT)
+                      - _row_entropy(ctx, CONTEXTS))  # fmt: skip
+    return out
+
+
+def level_bits(x: np.ndarray, plan: NestedPlan) -> list[float]:
+    """Mean bits per element of ``x`` at every level: the base plus refinements up to it."""
+    n = indices(x, plan)
+    total = base_bits(n[0])
+    out = [float(total.mean())]
+    for k in range(1, plan.levels):
+        total = total + refinement_bits(n[k - 1], n[k])
+        out.append(float(total.mean()))
+    return out
+
+
+# ---- planning ------------------------------------------------------------------------
+
+#: KL of the model on reconstructions at a plan's last level (the caller's measure).
+KlOfPlan = Callable[[NestedPlan], float]
+
+
+def plan_refinement(
+    x: np.ndarray, plan: NestedPlan, fisher: np.ndarray, kl_of: KlOfPlan, target: float,
+    *, steps: int = 7,
+) -> NestedPlan:  # fmt: skip
+    """``plan`` with one more level: the streams of best benefit per bit split, as few
+    as meet ``target`` (the KL ``kl_of`` measures), found by bisection on the fraction.
+    ``x`` is the calibration data ``[N, T]`` (mean removed), ``fisher`` each stream's
+    sensitivity."""
+    n = indices(x, plan)[-1]
+    trial = plan.with_level(np.ones(len(fisher), dtype=bool))
+    cost = refinement_bits(n, indices(x, trial)[-1])
+    step = plan.step(plan.levels - 1)
+    benefit = fisher * step**2 * (1 - 1 / SPLIT**2) / 12
+    order = np.argsort(-benefit / np.maximum(cost, 1e-3), kind="stable")
+
+    def split(fraction: float) -> NestedPlan:
+        chosen = np.zeros(len(fisher), dtype=bool)
+        chosen[order[: int(round(fraction * len(order)))]] = True
+        return plan.with_level(chosen)
+
+    lo, hi = 0.0, 1.0
+    if kl_of(split(hi)) > target:
+        return split(hi)  # every stream split and still above: the finest one step allows
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if kl_of(split(mid)) > target:
+            lo = mid
+        else:
+            hi = mid
+    return split(hi)
+
+
+def plan_levels(
+    x: np.ndarray, base_step: np.ndarray, fisher: np.ndarray, kl_of: KlOfPlan,
+    targets: Sequence[float],
+) -> NestedPlan:  # fmt: skip
+    """A base at ``base_step`` and one refinement per KL target (coarsest first)."""
+    plan = base_plan(base_step)
+    for target in targets:
+        plan = plan_refinement(x, plan, fisher, kl_of, target)
+    return plan
+
+
+# ---- between KV tensors and streams ----------------------------------------------------
+
+
+def streams_of(body: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """KV ``[L, 2, H, T, D]`` less its calibrated ``mean`` ``[L, 2, H, D]`` as streams
+    ``[N, T]`` (float64), in (layer, K/V, head, channel) order."""
+    x = np.asarray(body, dtype=np.float64) - np.asarray(mean, dtype=np.float64)[:, :, :, None]
+    return np.ascontiguousarray(np.moveaxis(x, 3, -1).reshape(-1, x.shape[3]))
+
+
+def values_of(streams: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`streams_of`: float32 ``[L, 2, H, T, D]``."""
+    layers, two, heads, dim = mean.shape
+    x = streams.reshape(layers, two, heads, dim, -1)
+    return (np.moveaxis(x, -1, 3) + mean[:, :, :, None]).astype(np.float32)
