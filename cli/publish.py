@@ -43,8 +43,9 @@ from .app import (
     default="nearlossless,high,default,low,lowest",
     show_default=True,
     help="Quality levels to publish, comma-separated: the calibrated ladder "
-    "(nearlossless, high, default, low, lowest) and/or fp16, int8. 'text' (recompute) "
-    "is always available.",
+    "(nearlossless, high, default, low, lowest) and/or fp16, int8; or 'nested': the same "
+    "levels and a smaller one (minimal) as one object a chunk, each level a prefix of its "
+    "sections (docs/levels.md). 'text' (recompute) is always available.",
 )
 @click.option(
     "--chunk-tokens",

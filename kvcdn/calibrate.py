@@ -21,10 +21,19 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from importlib import resources
+from typing import Any
 
 import numpy as np
 
-from .codec_profile import LADDER, CodecProfile, LevelSpec, round_to_4_bits
+from .codec_profile import (
+    LADDER,
+    NESTED_CONTEXTS,
+    NESTED_TIERS,
+    CodecProfile,
+    LevelSpec,
+    NestedSpec,
+    round_to_4_bits,
+)
 from .errors import InputError
 from .kv import DEFAULT_CHUNK_TOKENS
 from .models import LoadedModel
@@ -59,9 +68,11 @@ def calibrate(
     context_tokens: int = CONTEXT_TOKENS,
     sinks: int = DEFAULT_SINKS,
     levels: Sequence[str] = tuple(LADDER),
+    nested_tiers: Sequence[str] = NESTED_TIERS,
     progress: ProgressFn | None = None,
 ) -> CodecProfile:
-    """Measure ``model`` on ``texts`` (name -> text) and return its codec profile."""
+    """Measure ``model`` on ``texts`` (name -> text) and return its codec profile, with
+    the nested ladder's ``nested_tiers`` (none: a profile without one)."""
     import torch
 
     progress = progress or (lambda stage, done, total: None)
@@ -73,42 +84,19 @@ def calibrate(
         raise InputError(
             f"unknown level(s) {', '.join(unknown)}; the ladder is {', '.join(LADDER)}"
         )
-    samples: list[Sample] = []
-    for i, (name, text) in enumerate(texts.items()):
-        progress("reference", i, len(texts))
-        n_ids = len(model.document_ids(text))
-        ctx = min(context_tokens, n_ids - CONTINUATION_TOKENS)
-        if ctx < 256:
-            raise InputError(
-                f"calibration text {name} has {n_ids} tokens; it needs at least "
-                f"{256 + CONTINUATION_TOKENS}"
-            )
-        samples.append(make_sample(model, text, ctx, CONTINUATION_TOKENS))
-    progress("reference", len(texts), len(texts))
-
-    fisher = np.zeros(samples[0].kv[:, :, :, 0].shape, dtype=np.float64)
-    for i, sample in enumerate(samples):
-        progress("sensitivity", i, len(samples))
-        fisher += _fisher_diagonal(model, sample, sinks)
-    fisher /= len(samples)
-    progress("sensitivity", len(samples), len(samples))
+    samples = calibration_samples(model, texts, context_tokens, progress)
+    fisher = sensitivity(model, samples, sinks, progress)
 
     body = torch.cat([s.kv[:, :, :, sinks:] for s in samples], dim=3).numpy()
     mean = body.mean(axis=3).astype(np.float32)  # [L, 2, H, D]
     sd = body.std(axis=3).astype(np.float64)
-    rms_sd = math.sqrt(float((sd**2).mean()))
-    f_floor = max(float(np.exp(np.log(np.maximum(fisher, 1e-30)).mean())), 1e-30)
-    f = np.maximum(fisher, 1e-4 * f_floor)
-    unit = np.sqrt(f_floor / f) * rms_sd  # step per unit strength
-    unit = np.maximum(unit, 1e-6)
-    # Symbols are 8-bit: no step may be so fine that a stream's calibrated
-    # range (with room to spare) needs more than +-100 of them.
-    floor = np.abs(body - mean[:, :, :, None, :]).max(axis=3) * 1.3 / 127
+    unit, floor = step_scale(body, mean, fisher)
 
     def steps(strength: float) -> np.ndarray:
         return round_to_4_bits(np.maximum(strength * unit, np.maximum(floor, 1e-6)))
 
     specs: dict[str, LevelSpec] = {}
+    measured: list[tuple[float, float]] = []  # (strength, KL) of every search step
     strength = 0.2
     total_steps = len(levels) * MAX_SEARCH_STEPS
     done = 0
@@ -121,6 +109,7 @@ def calibrate(
             step = steps(strength)
             kl = float(np.mean([_kl_plain(model, s, mean, step, sinks) for s in samples]))
             tried.append((strength, kl))
+            measured.append((strength, kl))
             log.info(
                 "calibrate %s: strength %.4f -> KL %.5f (target %g)", lname, strength, kl, target
             )
@@ -144,6 +133,18 @@ def calibrate(
     progress("search", total_steps, total_steps)
 
     freqs, table_lo, table_size = _build_tables(specs, body, mean, sd)
+    nested = None
+    if nested_tiers:
+        progress("nested", 0, 1)
+        def real_kl(plan: Any) -> float:
+            return _kl_nested(model, samples, mean, plan, sinks)
+
+        nested, tables = _plan_nested(body, mean, sd, unit, floor, steps, measured, nested_tiers,
+                                      real_kl)  # fmt: skip
+        nested.base_table += freqs.shape[0]  # the new tables come after the ladder's
+        nested.refine_table += freqs.shape[0]
+        freqs, table_lo, table_size = _append_tables((freqs, table_lo, table_size), tables)
+        progress("nested", 1, 1)
     profile = CodecProfile(
         model_fingerprint=model.fingerprint,
         layout=model.layout,
@@ -160,13 +161,71 @@ def calibrate(
             "fisher_samples": FISHER_SAMPLES,
             "tables": int(freqs.shape[0]),
         },
+        nested=nested,
     )
+    checks = [*levels, *(nested.tiers if nested else ())]
     for i, lname in enumerate(levels):
-        progress("verify", i, len(levels))
+        progress("verify", i, len(checks))
         specs[lname].quality = _verify(model, profile, lname, samples)
         profile.changed()  # the quality figures are part of the profile
-    progress("verify", len(levels), len(levels))
+    if nested is not None:
+        progress("verify", len(levels), len(checks))
+        nested.quality.update(_verify_nested(model, profile, samples))
+        profile.changed()
+    progress("verify", len(checks), len(checks))
     return profile
+
+
+def step_scale(
+    body: np.ndarray, mean: np.ndarray, fisher: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per stream ``[L, 2, H, D]``: the quantiser step per unit of strength (Fisher
+    weighted, step 4 of the module doc) and the finest step 8-bit symbols allow, from
+    the calibration KV ``body`` ``[L, 2, H, T, D]``."""
+    sd = body.std(axis=3).astype(np.float64)
+    rms_sd = math.sqrt(float((sd**2).mean()))
+    f_floor = max(float(np.exp(np.log(np.maximum(fisher, 1e-30)).mean())), 1e-30)
+    f = np.maximum(fisher, 1e-4 * f_floor)
+    unit = np.maximum(np.sqrt(f_floor / f) * rms_sd, 1e-6)
+    # Symbols are 8-bit: no step may be so fine that a stream's calibrated
+    # range (with room to spare) needs more than +-100 of them.
+    floor = np.abs(body - mean[:, :, :, None, :]).max(axis=3) * 1.3 / 127
+    return unit, floor
+
+
+def calibration_samples(
+    model: LoadedModel, texts: dict[str, str], context_tokens: int = CONTEXT_TOKENS,
+    progress: ProgressFn | None = None,
+) -> list[Sample]:  # fmt: skip
+    """Step 1: each text's context KV and the reference logits of its continuation."""
+    progress = progress or (lambda stage, done, total: None)
+    samples: list[Sample] = []
+    for i, (name, text) in enumerate(texts.items()):
+        progress("reference", i, len(texts))
+        n_ids = len(model.document_ids(text))
+        ctx = min(context_tokens, n_ids - CONTINUATION_TOKENS)
+        if ctx < 256:
+            raise InputError(
+                f"calibration text {name} has {n_ids} tokens; it needs at least "
+                f"{256 + CONTINUATION_TOKENS}"
+            )
+        samples.append(make_sample(model, text, ctx, CONTINUATION_TOKENS))
+    progress("reference", len(texts), len(texts))
+    return samples
+
+
+def sensitivity(
+    model: LoadedModel, samples: list[Sample], sinks: int, progress: ProgressFn | None = None
+) -> np.ndarray:
+    """Step 2: every stream's Fisher information ``[L, 2, H, D]``, averaged over the
+    samples' tokens after the first ``sinks``."""
+    progress = progress or (lambda stage, done, total: None)
+    fisher = np.zeros(samples[0].kv[:, :, :, 0].shape, dtype=np.float64)
+    for i, sample in enumerate(samples):
+        progress("sensitivity", i, len(samples))
+        fisher += _fisher_diagonal(model, sample, sinks)
+    progress("sensitivity", len(samples), len(samples))
+    return fisher / len(samples)
 
 
 def _fisher_diagonal(model: LoadedModel, sample: Sample, sinks: int) -> np.ndarray:
@@ -283,3 +342,202 @@ def _verify(
     quality = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
     quality["bits_per_element"] = bits / elements
     return quality
+
+
+def _verify_nested(
+    model: LoadedModel, profile: CodecProfile, samples: list[Sample]
+) -> dict[str, dict[str, float]]:
+    """:func:`_verify` of every nested tier: each chunk encoded once, each tier decoded
+    from it; a tier's bits are what its reader fetches (the index and its sections)."""
+    import torch
+
+    from .codec import decode_chunk, encode_chunk, nested_level, tier_bytes
+
+    assert profile.nested is not None
+    tiers = profile.nested.tiers
+    level = nested_level(tiers[-1], profile)
+    outs = {t: [] for t in tiers}
+    bits = dict.fromkeys(tiers, 0)
+    for sample in samples:
+        kv = sample.kv
+        decoded = {t: torch.empty_like(kv) for t in tiers}
+        for start in range(0, kv.shape[3], DEFAULT_CHUNK_TOKENS):
+            end = min(start + DEFAULT_CHUNK_TOKENS, kv.shape[3])
+            data = encode_chunk(level, kv[:, :, :, start:end], "0" * 64, profile=profile,
+                                start=start)  # fmt: skip
+            for k, tier in enumerate(tiers):
+                decode_chunk(data, profile=profile, out=decoded[tier][:, :, :, start:end],
+                             tiers=k + 1)  # fmt: skip
+                bits[tier] += 8 * tier_bytes(data, k + 1)
+        for tier in tiers:
+            logits = continuation_logits(model, decoded[tier], sample.continuation)
+            outs[tier].append(compare(sample, logits))
+    elements = sum(s.kv.numel() for s in samples)
+    quality = {}
+    for tier in tiers:
+        q = {k: float(np.mean([r[k] for r in outs[tier]])) for k in outs[tier][0]}
+        q["bits_per_element"] = bits[tier] / elements
+        quality[tier] = q
+    return quality
+
+
+# ---- the nested ladder ----------------------------------------------------------------
+
+#: The nested base's bits per element on the calibration texts (entropy estimate): the
+#: rung below ``lowest``, for the slowest links.
+NESTED_BASE_BITS = 1.3
+#: Every fourth calibration token is enough to plan splits and build tables.
+NESTED_TOKEN_STRIDE = 4
+
+
+def _plan_nested(
+    body: np.ndarray, mean: np.ndarray, sd: np.ndarray, unit: np.ndarray, floor: np.ndarray,
+    steps: Callable[[float], np.ndarray], measured: list[tuple[float, float]],
+    tiers: Sequence[str], real_kl: Callable[[Any], float],
+) -> tuple[NestedSpec, list[tuple[np.ndarray, int, int]]]:  # fmt: skip
+    """The nested ladder (:mod:`kvcdn.progressive`) and its new rANS tables (frequencies,
+    lo, size). A refinement's KL is predicted (a bisection needs many) from the
+    Fisher-weighted squared error, fitted in log-log to the ladder search's own
+    measurements; each planned tier's KL is then measured (``real_kl``) and, when the
+    prediction missed by more than a quarter, the tier is planned again for the target
+    corrected by that miss."""
+    from . import progressive as pg
+
+    names = list(tiers)
+    if tuple(names) != NESTED_TIERS[: len(names)] or len(names) < 2:
+        raise InputError(f"nested tiers must be a prefix of {', '.join(NESTED_TIERS)}")
+    x = pg.streams_of(body[:, :, :, ::NESTED_TOKEN_STRIDE], mean)
+    shape = mean.shape
+    weight = (1.0 / unit**2).reshape(-1)
+    unit_n, floor_n = unit.reshape(-1), np.maximum(floor.reshape(-1), 1e-6)
+
+    # KL predicted from the Fisher-weighted squared error the quantiser makes on the
+    # calibration data (where most values fall in the middle cell the error is their
+    # spread, not the step's), fitted in log-log to the ladder search's measurements
+    def proxy(err: np.ndarray) -> float:
+        return float((weight * (err**2).mean(axis=1)).sum())
+
+    def independent(step: np.ndarray) -> np.ndarray:
+        s = step.reshape(-1)[:, None].astype(np.float64)
+        return x - np.clip(np.rint(x / s), -pg.BASE_LIMIT, pg.BASE_LIMIT) * s
+
+    pts = np.array([(math.log(proxy(independent(steps(st)))), math.log(max(kl, 1e-9)))
+                    for st, kl in measured])  # fmt: skip
+    slope, icept = np.polyfit(pts[:, 0], pts[:, 1], 1) if len(pts) > 1 else (1.0, 0.0)
+
+    def kl_of(plan: pg.NestedPlan) -> float:
+        # the top level alone: it is the midtread quantiser of its step (boundaries aside)
+        s = plan.step(plan.levels - 1)[:, None]
+        limit = (pg.BASE_LIMIT + 0.5) * plan.base_step[:, None]
+        err = x - np.rint(np.clip(x, -limit, limit) / s) * s
+        return math.exp(icept + slope * math.log(proxy(err)))
+
+    def base_step(strength: float) -> np.ndarray:
+        return np.maximum(strength * unit_n, floor_n)
+
+    lo, hi = 0.2, 16.0
+    for _ in range(30):  # the base: the strength that gives NESTED_BASE_BITS
+        mid = math.sqrt(lo * hi)
+        bits = pg.level_bits(x, pg.base_plan(base_step(mid)))[0]
+        lo, hi = (mid, hi) if bits > NESTED_BASE_BITS else (lo, mid)
+    plan = pg.base_plan(base_step(hi))
+    for name in names[1:]:
+        target = LADDER[name]
+        below = plan
+        plan = pg.plan_refinement(x, below, weight, kl_of, target)
+        predicted, real = kl_of(plan), real_kl(plan)
+        if not 0.75 * target <= real <= target:
+            plan = pg.plan_refinement(x, below, weight, kl_of, target * predicted / real)
+        log.info("calibrate nested %s: %.1f%% of streams split", name,
+                 100 * float((plan.depth[-1] > plan.depth[-2]).mean()))  # fmt: skip
+    # Steps exact in float32: the finest with 4 significant bits, the others 3**j times it.
+    top = plan.depth[-1]
+    fine = round_to_4_bits(plan.base_step / 3.0**top)
+    plan = pg.NestedPlan(fine.astype(np.float64) * 3.0**top, plan.depth)
+    n = pg.indices(x, plan)
+    sd_n = sd.reshape(-1)
+    from kvcdn.kernels.rans import normalize_freqs
+
+    # Table 0: uniform ternary, named by the streams a tier does not split (never used).
+    tables: list[tuple[np.ndarray, int, int]] = [(normalize_freqs(np.ones(3)), 0, 3)]
+    base_id = _class_tables(tables, n[0], sd_n / plan.step(0), pg.BASE_LIMIT)
+    refine_id = np.zeros((len(names) - 1, NESTED_CONTEXTS, len(sd_n)), dtype=np.int64)
+    for r in range(1, len(names)):
+        split = plan.depth[r] > plan.depth[r - 1]
+        sym, ctx = pg.refinement_symbols(n[r - 1][split], n[r][split])
+        spread = (sd_n / plan.step(r - 1))[split]
+        for c in range(NESTED_CONTEXTS):
+            coded = np.where(ctx == c, sym, -1)  # -1: another context's symbol, not counted
+            ids = _class_tables(tables, coded, spread, None)
+            refine_id[r - 1, c, split] = ids
+    spec = NestedSpec(
+        tiers=tuple(names),
+        base_strength=float(hi),
+        fine_step=fine.reshape(shape).astype(np.float32),
+        depth=plan.depth.reshape(len(names), *shape).astype(np.uint8),
+        base_table=base_id.reshape(shape).astype(np.uint16),  # offsets into `tables`
+        refine_table=refine_id.reshape(len(names) - 1, NESTED_CONTEXTS, *shape).astype(np.uint16),
+    )
+    return spec, tables
+
+
+def _kl_nested(model: LoadedModel, samples: list[Sample], mean: np.ndarray, plan: Any,
+               sinks: int) -> float:  # fmt: skip
+    """Mean KL on the calibration texts of the nested plan's last level (no coding)."""
+    import torch
+
+    from . import progressive as pg
+
+    top = plan.levels - 1
+    kls = []
+    for sample in samples:
+        x = pg.streams_of(sample.kv[:, :, :, sinks:].numpy(), mean)
+        value = pg.values_of(pg.reconstruct(pg.indices(x, plan)[top], plan, top), mean)
+        kv = torch.from_numpy(_reconstruct(sample.kv.numpy(), value, sinks))
+        kls.append(compare(sample, continuation_logits(model, kv, sample.continuation))["kl"])
+    return float(np.mean(kls))
+
+
+def _class_tables(
+    tables: list[tuple[np.ndarray, int, int]], sym: np.ndarray, spread: np.ndarray,
+    limit: int | None,
+) -> np.ndarray:  # fmt: skip
+    """One table per spread class (thirds of an octave) of streams ``sym [N, T]`` (values
+    < 0 are not counted): base indices in ``[-limit, limit]`` with a margin, or (``limit``
+    None) ternary refinement symbols. Appends to ``tables``; returns each stream's index
+    into it."""
+    from kvcdn.kernels.rans import normalize_freqs
+
+    cls = np.clip(np.round(SPREAD_CLASSES_PER_OCTAVE * np.log2(np.maximum(spread, 1e-6))),
+                  -30, 20).astype(np.int64)  # fmt: skip
+    ids = np.zeros(len(cls), dtype=np.int64)
+    for c in np.unique(cls):
+        rows = sym[cls == c]
+        vals = rows[rows > (-1 if limit is None else -limit - 1)]
+        if limit is None:
+            lo, size = 0, 3
+            counts = np.bincount(vals, minlength=3)[:3]
+        else:
+            vmin, vmax = (int(vals.min()), int(vals.max())) if vals.size else (0, 0)
+            margin = max(1, int(math.ceil(0.25 * (vmax - vmin))))
+            lo, hi = max(vmin - margin, -limit), min(vmax + margin, limit)
+            size = hi - lo + 1
+            counts = np.bincount(vals - lo, minlength=size)[:size]
+        ids[cls == c] = len(tables)
+        tables.append((normalize_freqs(counts), lo, size))
+    return ids
+
+
+def _append_tables(
+    have: tuple[np.ndarray, np.ndarray, np.ndarray], new: list[tuple[np.ndarray, int, int]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The profile's tables with ``new`` after them (the nested ids are offset by the
+    caller's count)."""
+    freqs, table_lo, table_size = have
+    width = freqs.shape[1]
+    add = np.zeros((len(new), width), dtype=np.uint32)
+    for i, (f, _, size) in enumerate(new):
+        add[i, :size] = f
+    return (np.vstack([freqs, add]),
+            np.concatenate([table_lo, np.array([lo for _, lo, _ in new], dtype=np.int32)]),
+            np.concatenate([table_size, np.array([n for _, _, n in new], dtype=np.int32)]))

@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .codec_profile import LADDER, CodecProfile
-from .codecs import ChunkDest, TensorDest, codec_for, known_codec, rans
+from .codecs import ChunkDest, TensorDest, codec_for, known_codec, nested, rans
 from .container import (
     FORMAT_VERSION,
     Body,
@@ -27,7 +27,8 @@ from .container import (
     unpack,
 )
 from .errors import FormatError, InputError
-from .manifest import TEXT_LEVEL, IndexRef, ObjectRef, ObjectSpan
+from .keys import tiered_object_id
+from .manifest import TEXT_LEVEL, IndexRef, ObjectRef, ObjectSpan, TierRef
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +52,18 @@ class Level:
     def to_json(self) -> dict[str, Any]:
         return {"codec": self.codec, "params": self.params, "description": self.description}
 
+    @property
+    def tiers(self) -> int | None:
+        """How many tiers of the chunk's object this level reads (None: all of an object
+        of its own)."""
+        return codec_for(self.codec, f"level {self.name}").tiers_for(self.name, self.params)
+
+    @property
+    def object_id(self) -> str:
+        """What names the level's objects in store keys: its id, or for the tiers of a
+        nested ladder one id shared by all of them (one object per chunk)."""
+        return self.id if self.tiers is None else tiered_object_id(self.id)
+
 
 #: Levels that need no codec profile.
 FIXED_LEVELS: dict[str, Level] = {
@@ -62,7 +75,10 @@ FIXED_LEVELS: dict[str, Level] = {
         "8-bit per-channel quantisation, zstd-compressed",
     ),
 }
-ALL_LEVEL_NAMES = (*LADDER, *FIXED_LEVELS, TEXT_LEVEL)
+#: In a list of levels to publish: every tier of the profile's nested ladder, one object
+#: a chunk for all of them (``minimal``, then the ladder's levels by name).
+NESTED = "nested"
+ALL_LEVEL_NAMES = (*LADDER, *FIXED_LEVELS, NESTED, TEXT_LEVEL)
 DEFAULT_LEVELS = tuple(LADDER)
 
 
@@ -76,6 +92,31 @@ def ladder_level(name: str, profile: CodecProfile) -> Level:
     )
 
 
+def nested_level(name: str, profile: CodecProfile) -> Level:
+    """Tier ``name`` of the profile's nested ladder, as a level."""
+    spec = profile.nested
+    if spec is None or name not in spec.tiers:
+        raise InputError(f"the codec profile has no nested tier {name}")
+    quality = spec.quality.get(name, {})
+    target = f"calibrated to KL {LADDER[name]:g}" if name in LADDER else "the nested base"
+    return Level(
+        name,
+        nested.NestedCodec.id,
+        {"profile": profile.sha256, "tiers": list(spec.tiers)},
+        f"{target}, nested (measured {quality.get('kl', float('nan')):.4f})",
+    )
+
+
+def tier_bytes(data: bytes, tiers: int) -> int:
+    """Bytes a reader of the first ``tiers`` tiers of the object ``data`` fetches: its
+    index and those tiers' sections."""
+    from .container import parse_index
+
+    index = parse_index(data, verify_digest=False)
+    per_tier = len(index.lengths) // index.tiers
+    return index.size + sum(index.lengths[: tiers * per_tier])
+
+
 def parse_levels(
     spec: str | list[str] | tuple[str, ...], profile: CodecProfile | None = None
 ) -> list[Level]:
@@ -86,7 +127,12 @@ def parse_levels(
     """
     levels = []
     for n in check_level_names(spec):
-        if n in FIXED_LEVELS:
+        if n == NESTED:
+            if profile is None or profile.nested is None:
+                raise InputError("the store's codec profile has no nested ladder: run "
+                                 "'kvcdn calibrate' to make one")  # fmt: skip
+            levels.extend(nested_level(t, profile) for t in profile.nested.tiers)
+        elif n in FIXED_LEVELS:
             levels.append(FIXED_LEVELS[n])
         elif profile is None:
             raise InputError(f"level {n} needs the model's codec profile")
@@ -103,16 +149,19 @@ def check_level_names(spec: str | list[str] | tuple[str, ...]) -> list[str]:
     names = [n.strip().lower() for n in names if n.strip() and n.strip().lower() != TEXT_LEVEL]
     if not names:
         raise InputError("no levels given")
-    unknown = [n for n in names if n not in LADDER and n not in FIXED_LEVELS]
+    unknown = [n for n in names if n not in LADDER and n not in FIXED_LEVELS and n != NESTED]
     if unknown:
         known = ", ".join(ALL_LEVEL_NAMES)
         raise InputError(f"unknown level(s) {', '.join(unknown)}; known: {known}")
+    if NESTED in names and any(n in LADDER for n in names):
+        raise InputError(f"{NESTED} holds the ladder's levels itself: it cannot be published "
+                         f"beside {', '.join(n for n in names if n in LADDER)}")  # fmt: skip
     return list(dict.fromkeys(names))
 
 
 def needs_profile(spec: str | list[str] | tuple[str, ...]) -> bool:
     names = spec.split(",") if isinstance(spec, str) else list(spec)
-    return any(n.strip().lower() in LADDER for n in names)
+    return any(n.strip().lower() in (*LADDER, NESTED) for n in names)
 
 
 def encode_chunk(
@@ -133,22 +182,33 @@ def encode_chunk(
     codec = codec_for(level.codec, f"level {level.name}")
     if codec.needs_profile and profile is None:
         raise InputError(f"level {level.name} needs the model's codec profile")
-    header = ChunkHeader(level.codec, level.name, level.params, tuple(kv.shape), chunk_hash)
+    header = ChunkHeader(level.codec, codec.object_level(level.name, level.params), level.params,
+                         tuple(kv.shape), chunk_hash)  # fmt: skip
     kv = kv.detach().cpu()
     if version == 1:
         return pack(header, codec.encode(kv, level.params, profile, start))
     return pack_sections(header, codec.encode_sections(kv, level.params, profile, start))
 
 
-def object_ref(key: str, data: bytes) -> ObjectRef:
+def object_ref(key: str, data: bytes, tiers: int | None = None) -> ObjectRef:
     """The manifest's reference to the object ``data`` stored under ``key``: its size
-    and sha256, and for a version-2 object its index's size and digest."""
+    and sha256, for a version-2 object its index's size and digest, and for a level
+    that reads its first ``tiers`` tiers, their size."""
     from .container import index_size
 
     sha = hashlib.sha256(data).hexdigest()
     n = index_size(data)
     index = None if n is None else IndexRef(n, bytes(data[n - 32 : n]).hex())
-    return ObjectRef(key, len(data), sha, index)
+    tier = None if tiers is None else TierRef(tiers, tier_bytes(data, tiers))
+    return ObjectRef(key, len(data), sha, index, tier)
+
+
+def level_part(ref: ObjectRef, part: Part | None, layers: int, heads: int) -> Part | None:
+    """What a reader holding ``part`` (None: all) reads of the object ``ref`` names: the
+    part, with the tiers of the level the ref is for; None: the whole object."""
+    if ref.tiers is None:
+        return part
+    return replace(part or Part.whole(layers, heads), tiers=ref.tiers.count)
 
 
 @dataclass(frozen=True)
@@ -163,12 +223,14 @@ class PartRead:
     source: str  # what served the sections (an edge URL, "origin", a store's URL)
 
 
-def read_part(reader: Reader, ref: ObjectRef, part: Part, *, name: str,
+def read_part(reader: Reader, ref: ObjectRef, part: Part | None, *, name: str,
               **fetch_options: Any) -> PartRead:  # fmt: skip
-    """``part`` of the version-2 object ``ref`` names: its index, checked against the
-    digest ``ref`` records, then the byte runs holding the part's sections, each
-    section checked against its sha256 in the index before it is kept. A source that
-    serves bad bytes fails its check (an edge reader then tries the next)."""
+    """``part`` of the version-2 object ``ref`` names (None: all its layers and heads;
+    of a nested object, the tiers of the level ``ref`` is for unless the part says):
+    its index, checked against the digest ``ref`` records, then the byte runs holding
+    the part's sections, each section checked against its sha256 in the index before
+    it is kept. A source that serves bad bytes fails its check (an edge reader then
+    tries the next)."""
     if ref.index is None:
         raise FormatError(f"{name} is a version-1 object: it is read whole")
     digest = ref.index.sha256
@@ -179,11 +241,16 @@ def read_part(reader: Reader, ref: ObjectRef, part: Part, *, name: str,
     got = reader.fetch(ObjectSpan(ref, 0, ref.index.bytes), check=index_holds, **fetch_options)
     index = parse_index(got.data, name=name, object_size=ref.bytes, digest=digest,
                         verify_digest=False)  # fmt: skip
-    if not part.fits(index.header.shape):
-        raise FormatError(f"{name}: part {part} is not within shape {list(index.header.shape)}")
+    layers, _, heads = index.header.shape[:3]
+    if part is None or part.tiers is None:
+        part = level_part(ref, part, layers, heads) or Part.whole(layers, heads)
+    try:
+        wanted = index.part_ids(part)
+    except FormatError as exc:
+        raise FormatError(f"{name}: {exc}") from None
     nbytes = len(got.data)
     sections: dict[int, memoryview] = {}
-    for start, end, ids in index.runs(part.section_ids(index.header.shape[0])):
+    for start, end, ids in index.runs(wanted):
 
         def run_holds(data: bytes, start: int = start, ids: list[int] = ids) -> None:
             view = memoryview(data)
@@ -240,6 +307,10 @@ def read_chunk(
     the chunk it is named for): the one fetch-verify-decode of a whole object. (A load
     streams its fetches and decodes them apart, through the same :func:`decode_into`.)"""
     ref = entry.objects[level]
+    if ref.tiers is not None:  # a nested level: the index and its tiers, each checked
+        read = read_part(reader, ref, None, name=f"object {ref.key}")
+        return decode_into(read, dest, name=f"object {ref.key}", profile=profile,
+                           chunk_hash=entry.hash, part=read.part)  # fmt: skip
     data = reader.get(ref)
     return decode_into(data, dest, name=f"object {ref.key}", profile=profile, verified=True,
                        chunk_hash=entry.hash)  # fmt: skip
@@ -254,24 +325,25 @@ def decode_chunk(
     out: torch.Tensor | None = None,
     verified: bool = False,
     chunk_hash: str | None = None,
+    tiers: int | None = None,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """:func:`decode_into` a tensor: ``out`` (of the chunk's shape, possibly a slice of
     a larger cache tensor), else a new one on ``device`` in the codec's own dtype
-    (float16 for ``fp16`` and ``int8``, float32 for ladder levels). Returns the
-    header and the tensor."""
+    (float16 for ``fp16`` and ``int8``, float32 for ladder levels); of a nested object,
+    its first ``tiers`` tiers (default: all). Returns the header and the tensor."""
     import torch
 
     header, body = open_chunk(data, name=name, verified=verified, chunk_hash=chunk_hash)
+    whole = Part.whole(header.shape[0], header.shape[2], tiers)
     if out is None:
         codec = codec_for(header.codec, name)
-        whole = Part.whole(header.shape[0], header.shape[2])
         if body.payload is not None:  # checked before a tensor is allocated
             codec.check_payload(header, body.payload, profile, name)
         else:
             assert body.sections is not None
             codec.check_sections(header, body.sections, whole, profile, name)
         out = torch.empty(header.shape, dtype=getattr(torch, codec.natural_dtype), device=device)
-    _decode(header, body, TensorDest(out), profile, name, None)
+    _decode(header, body, TensorDest(out), profile, name, whole)
     return header, out
 
 

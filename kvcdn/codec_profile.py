@@ -52,6 +52,15 @@ LADDER: dict[str, float] = {
 }
 
 
+#: The nested ladder's tiers, coarsest first: a base below the ladder, then one
+#: refinement per ladder level, each calibrated to that level's KL.
+NESTED_TIERS: tuple[str, ...] = ("minimal", "lowest", "low", "default", "high", "nearlossless")
+#: Splits of a stream, at most: indices stay below 2**17, so ``index * step`` is exact.
+MAX_NESTED_DEPTH = 6
+#: Contexts of a refinement symbol (kvcdn.progressive.CONTEXTS).
+NESTED_CONTEXTS = 3
+
+
 def round_to_4_bits(x: np.ndarray) -> np.ndarray:
     """Round positive floats to 4 significant bits (m * 2**k, 8 <= m < 16)."""
     x = np.asarray(x, dtype=np.float64)
@@ -69,6 +78,24 @@ class LevelSpec:
 
 
 @dataclass
+class NestedSpec:
+    """The nested ladder (:mod:`kvcdn.progressive`): per stream ``[L, 2, H, D]``, the
+    finest tier's step and how many times each tier has split the stream; the base's
+    step is ``fine_step * 3**depth[-1]``."""
+
+    tiers: tuple[str, ...]  # names, coarsest first
+    base_strength: float
+    fine_step: np.ndarray  # float32 [L, 2, H, D], 4 significant bits
+    depth: np.ndarray  # uint8 [tiers, L, 2, H, D]: depth[0] == 0, +0 or +1 a tier
+    base_table: np.ndarray  # uint16 [L, 2, H, D]
+    refine_table: np.ndarray  # uint16 [tiers - 1, NESTED_CONTEXTS, L, 2, H, D]
+    quality: dict[str, dict[str, float]] = field(default_factory=dict)  # per tier
+
+    def tier(self, name: str) -> int:
+        return self.tiers.index(name)
+
+
+@dataclass
 class CodecProfile:
     model_fingerprint: str
     layout: KVLayout
@@ -79,6 +106,7 @@ class CodecProfile:
     table_size: np.ndarray  # int32 [n_tables]: symbols in use (the rest have frequency 0)
     levels: dict[str, LevelSpec]
     calibration: dict[str, Any] = field(default_factory=dict)
+    nested: NestedSpec | None = None
     # derived, cached: never copied by dataclasses.replace (init=False), reset by changed()
     _bytes: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _sha256: str | None = field(default=None, init=False, repr=False, compare=False)
@@ -145,6 +173,28 @@ class CodecProfile:
             cached = self._per_level[level] = (tid, scale, offset, lo, size)
         return cached
 
+    def nested_arrays(self) -> tuple[np.ndarray, ...]:
+        """What the nested kernels take, per group ``[G, D]``: (mean, fine step, depth
+        ``[R, G, D]``, base lo, base size, base table, refinement tables
+        ``[R - 1, 3, G, D]``)."""
+        cached = self._per_level.get("\0nested")
+        if cached is None:
+            spec = self.nested
+            assert spec is not None
+            G = self.layout.layers * 2 * self.layout.kv_heads
+            tiers = len(spec.tiers)
+            base = spec.base_table.reshape(G, -1).astype(np.int64)
+            cached = self._per_level["\0nested"] = (
+                self.mean.reshape(G, -1),
+                spec.fine_step.reshape(G, -1),
+                spec.depth.reshape(tiers, G, -1).astype(np.int64),
+                self.table_lo[base].astype(np.int64),
+                self.table_size[base].astype(np.int64),
+                base,
+                spec.refine_table.reshape(tiers - 1, NESTED_CONTEXTS, G, -1).astype(np.int64),
+            )
+        return cached
+
     def quantise(self, level: str, x: np.ndarray) -> np.ndarray:
         """KV ``[L, 2, H, T, D]`` (float32) -> symbol indices ``[G, T, D]`` (uint8)."""
         spec = self.levels[level]
@@ -174,6 +224,12 @@ def _serialise(p: CodecProfile) -> bytes:
     for name, spec in p.levels.items():
         tensors[f"levels.{name}.step"] = spec.step.astype(np.float32)
         tensors[f"levels.{name}.table_id"] = spec.table_id.astype(np.uint16)
+    nested = p.nested
+    if nested is not None:
+        tensors["nested.fine_step"] = nested.fine_step.astype(np.float32)
+        tensors["nested.depth"] = nested.depth.astype(np.uint8)
+        tensors["nested.base_table"] = nested.base_table.astype(np.uint16)
+        tensors["nested.refine_table"] = nested.refine_table.astype(np.uint16)
     meta = {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
@@ -186,6 +242,9 @@ def _serialise(p: CodecProfile) -> bytes:
         },
         "calibration": p.calibration,
     }
+    if nested is not None:
+        meta["nested"] = {"tiers": list(nested.tiers), "base_strength": nested.base_strength,
+                          "quality": nested.quality}  # fmt: skip
     return save(tensors, metadata={"kvcdn": json.dumps(meta, sort_keys=True)})
 
 
@@ -278,9 +337,56 @@ def parse_profile(data: bytes, *, name: str = "codec profile") -> CodecProfile:
         table_size=table_size,
         levels=levels,
         calibration=bad.dict(meta.get("calibration", {}), "calibration"),
+        nested=_parse_nested(meta.get("nested"), arrays, stream_shape, table_lo, table_size,
+                             bad),  # fmt: skip
     )
     profile._bytes = bytes(data)
     return profile
+
+
+def _parse_nested(
+    meta: Any, arrays: dict[str, np.ndarray], shape: tuple[int, ...], table_lo: np.ndarray,
+    table_size: np.ndarray, bad: _Check,
+) -> NestedSpec | None:  # fmt: skip
+    """The nested ladder of a profile, every array checked (None: the profile has none)."""
+    if meta is None:
+        return None
+    meta = bad.dict(meta, "nested")
+    tiers = meta.get("tiers")
+    if not isinstance(tiers, list) or tuple(tiers) != NESTED_TIERS[: len(tiers)] or len(tiers) < 2:
+        raise bad(f"nested.tiers must start {list(NESTED_TIERS[:2])} in ladder order")
+    n = len(tiers)
+    fine = bad.array(arrays, "nested.fine_step", np.float32, shape)
+    if not np.all(np.isfinite(fine)) or np.any(fine <= 0) or np.any(round_to_4_bits(fine) != fine):
+        raise bad("nested.fine_step must be positive with 4 significant bits")
+    depth = bad.array(arrays, "nested.depth", np.uint8, (n, *shape)).astype(np.int64)
+    steps = np.diff(depth, axis=0)
+    if np.any(depth[0] != 0) or np.any((steps != 0) & (steps != 1)):
+        raise bad("nested.depth must start at 0 and grow by 0 or 1 a tier")
+    if depth[-1].max() > MAX_NESTED_DEPTH:
+        raise bad(f"nested.depth goes past {MAX_NESTED_DEPTH} splits")
+    base = bad.array(arrays, "nested.base_table", np.uint16, shape)
+    refine = bad.array(arrays, "nested.refine_table", np.uint16, (n - 1, NESTED_CONTEXTS, *shape))
+    if np.any(base >= len(table_lo)) or np.any(refine >= len(table_lo)):
+        raise bad("a nested table id names a table that does not exist")
+    if np.any(table_lo[base] < -128) or np.any(table_lo[base] + table_size[base] > 128):
+        raise bad("a nested base table reaches past 8-bit indices")
+    if np.any(table_lo[refine] != 0) or np.any(table_size[refine] != 3):
+        raise bad("a nested refinement table must code the three symbols 0, 1, 2")
+    quality = bad.dict(meta.get("quality", {}), "nested.quality")
+    return NestedSpec(
+        tiers=tuple(tiers),
+        base_strength=bad.num(meta.get("base_strength"), "nested.base_strength"),
+        fine_step=fine,
+        depth=depth.astype(np.uint8),
+        base_table=base,
+        refine_table=refine,
+        quality={
+            str(t): {k: bad.num(v, f"nested.quality.{t}.{k}")
+                     for k, v in bad.dict(q, f"nested.quality.{t}").items()}
+            for t, q in quality.items()
+        },
+    )  # fmt: skip
 
 
 class _Check:

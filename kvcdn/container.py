@@ -29,9 +29,14 @@ Version 2 (sections a reader can fetch apart: one per KV head and layer)::
 
 Section ``h * layers + l`` holds KV head ``h`` of layer ``l`` (keys and values): a
 reader holding heads ``[h0, h1)`` (a tensor-parallel rank) finds its sections in one
-run of bytes. The manifest records the index's size and digest beside the whole
-object's, so a reader that fetches only the index and some sections verifies each
-before a byte of it is used.
+run of bytes. An object of a nested codec holds several *tiers* (a base and its
+refinements): N is then ``tiers x kv_heads x layers``, and section
+``r * kv_heads * layers + h * layers + l`` is tier ``r`` of head ``h`` of layer ``l``, so
+the first ``k`` tiers of a reader's heads are ``k`` runs of bytes.
+
+The manifest records the index's size and digest beside the whole object's, so a
+reader that fetches only the index and some sections verifies each before a byte of
+it is used.
 
 The parser checks the magic, version, flags and every length against the object's
 real size before it reads anything they point to, then the checksums, then the
@@ -60,6 +65,8 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_CHUNK_ELEMENTS = 1 << 34  # far above any real chunk; stops absurd shapes early
 #: Sections of one object: far above any model's kv_heads x layers (llama-70b: 640).
 MAX_SECTIONS = 1 << 16
+#: Tiers of one object (a nested codec's base and refinements).
+MAX_TIERS = 16
 _PREAMBLE = struct.Struct("<8sHHIQ")
 _PREAMBLE_V2 = struct.Struct("<8sHHIQI")
 _SECTION = struct.Struct("<Q32s")
@@ -93,10 +100,13 @@ class Part:
 
     layers: tuple[int, int]
     heads: tuple[int, int]
+    #: Tiers ``[0, tiers)`` of an object that has several (a nested codec's base and
+    #: refinements); None: all of them.
+    tiers: int | None = None
 
     @classmethod
-    def whole(cls, layers: int, heads: int) -> Part:
-        return cls((0, layers), (0, heads))
+    def whole(cls, layers: int, heads: int, tiers: int | None = None) -> Part:
+        return cls((0, layers), (0, heads), tiers)
 
     @property
     def layer_count(self) -> int:
@@ -107,6 +117,7 @@ class Part:
         return self.heads[1] - self.heads[0]
 
     def is_whole(self, shape: tuple[int, ...]) -> bool:
+        """All layers and heads (of whatever tiers)."""
         return self.layers == (0, shape[0]) and self.heads == (0, shape[2])
 
     def fits(self, shape: tuple[int, ...]) -> bool:
@@ -118,9 +129,15 @@ class Part:
         """The shape of this part of a chunk of ``shape``."""
         return (self.layer_count, 2, self.head_count, shape[3], shape[4])
 
-    def section_ids(self, layers: int) -> list[int]:
-        """The version-2 sections that hold the part, in table (byte) order."""
-        return [h * layers + lay for h in range(*self.heads) for lay in range(*self.layers)]
+    def tier_count(self, tiers: int) -> int:
+        """How many tiers of an object of ``tiers`` the part reads."""
+        return tiers if self.tiers is None else self.tiers
+
+    def section_ids(self, layers: int, heads: int = 1, tiers: int = 1) -> list[int]:
+        """The version-2 sections that hold the part of an object of ``layers`` layers,
+        ``heads`` KV heads and ``tiers`` tiers, in table (byte) order."""
+        return [r * heads * layers + h * layers + lay for r in range(self.tier_count(tiers))
+                for h in range(*self.heads) for lay in range(*self.layers)]  # fmt: skip
 
 
 def section_id(layer: int, head: int, layers: int) -> int:
@@ -142,6 +159,20 @@ class ChunkIndex:
     @property
     def object_size(self) -> int:
         return self.size + sum(self.lengths)
+
+    @property
+    def tiers(self) -> int:
+        layers, _, heads = self.header.shape[:3]
+        return len(self.lengths) // (layers * heads)
+
+    def part_ids(self, part: Part) -> list[int]:
+        """The sections of ``part``, in table order; :class:`FormatError` unless the part
+        fits this object."""
+        layers, _, heads = self.header.shape[:3]
+        if not part.fits(self.header.shape) or not 1 <= part.tier_count(self.tiers) <= self.tiers:
+            raise FormatError(f"part {part} is not within this object ({self.tiers} tiers of "
+                              f"shape {list(self.header.shape)})")  # fmt: skip
+        return part.section_ids(layers, heads, self.tiers)
 
     def runs(self, ids: list[int]) -> list[tuple[int, int, list[int]]]:
         """Sections ``ids`` (in table order) as runs of adjacent bytes: (start, end, ids)."""
@@ -178,9 +209,10 @@ def pack(header: ChunkHeader, payload: bytes) -> bytes:
 
 
 def pack_sections(header: ChunkHeader, sections: list[bytes]) -> bytes:
-    """Serialise a version-2 chunk object: ``sections`` in table order (head-major)."""
+    """Serialise a version-2 chunk object: ``sections`` in table order (tier-major, then
+    head-major)."""
     layers, _, heads = header.shape[:3]
-    if len(sections) != layers * heads:
+    if len(sections) % (layers * heads) or not 1 <= len(sections) // (layers * heads) <= MAX_TIERS:
         raise FormatError(f"{len(sections)} sections for {layers} layers x {heads} heads")
     head = _header_bytes(header)
     table = b"".join(_SECTION.pack(len(s), hashlib.sha256(s).digest()) for s in sections)
@@ -263,7 +295,7 @@ def parse_index(
         raise IntegrityError(f"{name}: its index fails its checksum (corrupted)")
     header = _parse_header(bytes(view[_PREAMBLE_V2.size : table_at]), name)
     layers, _, heads = header.shape[:3]
-    if count != layers * heads:
+    if count % (layers * heads) or count // (layers * heads) > MAX_TIERS:
         raise FormatError(f"{name} has {count} sections for {layers} layers x {heads} heads")
     lengths, sha256s, offsets = [], [], []
     at = size

@@ -109,6 +109,12 @@ def object_key(chunk_hash: str, level_id: str, sha256: str) -> str:
     return f"objects/{chunk_hash[:2]}/{chunk_hash}/{level_id}.{sha256}.kvc"
 
 
+def tiered_object_id(level_id: str) -> str:
+    """The id in the keys of a nested ladder's objects (one per chunk, shared by every
+    tier): the level id's hash of codec and parameters, which its tiers share."""
+    return f"nested-{level_id.rsplit('-', 1)[1]}"  # kvcdn.codecs.nested.OBJECT_LEVEL
+
+
 def chunk_prefix(chunk_hash: str) -> str:
     """The folder-like prefix of every object of one chunk."""
     return f"objects/{chunk_hash[:2]}/{chunk_hash}/"

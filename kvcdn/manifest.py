@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import keys
+from .container import MAX_TIERS
 from .errors import FormatError, IntegrityError, OldSchema
 from .jsonfmt import loads
 from .signing import MANIFEST_TYPE, POINTER_TYPE, Signer, TrustPolicy, open_document
@@ -49,6 +50,15 @@ class IndexRef:
     sha256: str
 
 
+@dataclass(frozen=True)
+class TierRef:
+    """The tiers of a nested object a level reads: the first ``count``, which with the
+    index are ``bytes`` bytes."""
+
+    count: int
+    bytes: int
+
+
 @dataclass
 class ObjectRef:
     key: str
@@ -56,11 +66,20 @@ class ObjectRef:
     sha256: str
     #: The section index of a version-2 object (None: version 1, read whole).
     index: IndexRef | None = None
+    #: Of a nested object (one per chunk for every level): the tiers this level reads.
+    tiers: TierRef | None = None
+
+    @property
+    def level_bytes(self) -> int:
+        """What a reader of this level fetches: the whole object, or its tiers."""
+        return self.bytes if self.tiers is None else self.tiers.bytes
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "bytes": self.bytes, "sha256": self.sha256}
         if self.index is not None:
             out["index"] = {"bytes": self.index.bytes, "sha256": self.index.sha256}
+        if self.tiers is not None:
+            out["tiers"] = {"count": self.tiers.count, "bytes": self.tiers.bytes}
         return out
 
     def check(self, data: bytes) -> None:
@@ -312,10 +331,17 @@ def manifest_from_json(raw: Any, *, name: str) -> Manifest:
                 ),
                 sha256=v.hex64(o.get("sha256"), f"{where}.objects.{lv_name}.sha256"),
                 index=_index_ref(o.get("index"), f"{where}.objects.{lv_name}.index", v),
+                tiers=_tier_ref(o.get("tiers"), f"{where}.objects.{lv_name}.tiers", v),
             )
             if ref.index is not None and ref.index.bytes >= ref.bytes:
                 raise FormatError(f"{name}: {where}.objects.{lv_name}.index is not within it")
-            if ref.key != keys.object_key(chunk_hash, levels[lv_name].id, ref.sha256):
+            if ref.tiers is not None and (ref.index is None or not
+                                          ref.index.bytes < ref.tiers.bytes <= ref.bytes):
+                raise FormatError(f"{name}: {where}.objects.{lv_name}.tiers is not within it")
+            level_id = levels[lv_name].id
+            if ref.tiers is not None:
+                level_id = keys.tiered_object_id(level_id)
+            if ref.key != keys.object_key(chunk_hash, level_id, ref.sha256):
                 raise FormatError(
                     f"{name}: {where}.objects.{lv_name}.key {ref.key[:120]!r} is not the key of "
                     "this chunk, level and sha256"
@@ -364,6 +390,15 @@ def _index_ref(raw: Any, where: str, v: _Validator) -> IndexRef | None:
     raw = v.dict(raw, where)
     return IndexRef(v.int(raw.get("bytes"), f"{where}.bytes", 1, MAX_INDEX_BYTES),
                     v.hex64(raw.get("sha256"), f"{where}.sha256"))  # fmt: skip
+
+
+def _tier_ref(raw: Any, where: str, v: _Validator) -> TierRef | None:
+    """An object's ``tiers`` entry (absent: the object is the level's own)."""
+    if raw is None:
+        return None
+    raw = v.dict(raw, where)
+    return TierRef(v.int(raw.get("count"), f"{where}.count", 1, MAX_TIERS),
+                   v.int(raw.get("bytes"), f"{where}.bytes", 1, MAX_OBJECT_BYTES))  # fmt: skip
 
 
 class _Validator:

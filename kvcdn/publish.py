@@ -240,7 +240,8 @@ class _Job:
                 if (c.hash, lv.id) not in self.stored]  # fmt: skip
 
     def result(self, manifest: Manifest) -> PublishResult:
-        total_objects = len(self.chunks) * len(self.levels)
+        # a nested ladder's levels share one object a chunk
+        total_objects = len(self.chunks) * len({lv.object_id for lv in self.levels})
         return PublishResult(
             name=self.name,
             version=manifest.version,
@@ -391,38 +392,45 @@ def _encode_and_upload(job: _Job) -> None:
     t = time.perf_counter()
     t_encode = 0.0
 
-    def store_one(data: bytes, chunk_hash: str, level: Level) -> tuple[ObjectRef, bool]:
-        ref = object_ref(object_key(chunk_hash, level.id, hashlib.sha256(data).hexdigest()),
-                         data)  # fmt: skip
-        written = store.put_content(ref.key, data)
-        job.on_object(ref.key)
-        return ref, written
+    # the levels of one object (a nested ladder's tiers share one a chunk): encoded once
+    objects: dict[tuple[str, str], tuple[Any, list[Level]]] = {}
+    for chunk, level in missing:
+        objects.setdefault((chunk.hash, level.object_id), (chunk, []))[1].append(level)
+
+    def store_one(data: bytes, chunk_hash: str, levels: list[Level]
+                  ) -> tuple[list[ObjectRef], bool]:  # fmt: skip
+        key = object_key(chunk_hash, levels[0].object_id, hashlib.sha256(data).hexdigest())
+        refs = [object_ref(key, data, level.tiers) for level in levels]
+        written = store.put_content(key, data)
+        job.on_object(key)
+        return refs, written
 
     uploaded = 0
 
-    def finish(chunk: Any, level: Level, future: Future) -> None:
+    def finish(chunk: Any, levels: list[Level], future: Future) -> None:
         nonlocal uploaded
-        ref, written = future.result()
-        job.stored[(chunk.hash, level.id)] = ref
+        refs, written = future.result()
+        for level, ref in zip(levels, refs, strict=True):
+            job.stored[(chunk.hash, level.id)] = ref
         if written:
             job.uploaded += 1
-            job.uploaded_bytes += ref.bytes
+            job.uploaded_bytes += refs[0].bytes
         else:
-            job.freshened.add(ref.key)
+            job.freshened.add(refs[0].key)
         uploaded += 1
-        job.progress("upload", uploaded, len(missing))
+        job.progress("upload", uploaded, len(objects))
 
     with ThreadPoolExecutor(UPLOAD_CONCURRENCY) as pool:
         # encoded objects wait for their upload in a bounded queue: a long document's
         # objects are never all in memory at once
-        pending: deque[tuple[Any, Level, Future]] = deque()
-        for n, (chunk, level) in enumerate(missing):
+        pending: deque[tuple[Any, list[Level], Future]] = deque()
+        for n, (chunk, levels) in enumerate(objects.values()):
             te = time.perf_counter()
-            data = encode_chunk(level, kv[:, :, :, chunk.start : chunk.end], chunk.hash,
+            data = encode_chunk(levels[0], kv[:, :, :, chunk.start : chunk.end], chunk.hash,
                                 profile=job.profile, start=chunk.start)  # fmt: skip
             t_encode += time.perf_counter() - te
-            job.progress("encode", n + 1, len(missing))
-            pending.append((chunk, level, pool.submit(store_one, data, chunk.hash, level)))
+            job.progress("encode", n + 1, len(objects))
+            pending.append((chunk, levels, pool.submit(store_one, data, chunk.hash, levels)))
             if len(pending) > 2 * UPLOAD_CONCURRENCY:
                 finish(*pending.popleft())
         while pending:
@@ -662,7 +670,7 @@ def _manifest(
     layout = loaded.layout
     level_infos = {}
     for level in chosen:
-        total = sum(stored[(c.hash, level.id)].bytes for c in chunks)
+        total = sum(stored[(c.hash, level.id)].level_bytes for c in chunks)
         level_infos[level.name] = LevelInfo(
             id=level.id,
             codec=level.codec,
@@ -712,6 +720,8 @@ def _manifest(
 def _level_quality(level: Level, profile: CodecProfile | None) -> dict[str, float]:
     if is_exact(level.codec):
         return {"kl": 0.0, "ppl_delta_pct": 0.0, "top1_agree": 1.0}
+    if profile is not None and level.tiers is not None and profile.nested is not None:
+        return dict(profile.nested.quality.get(level.name, {}))
     if profile is not None and level.name in profile.levels:
         return dict(profile.levels[level.name].quality)
     return {}

@@ -160,7 +160,7 @@ def _warm_kernels(profile: CodecProfile, device: str) -> None:
         kv = torch.zeros(lay.layers, 2, lay.kv_heads, 8, lay.head_dim)
         level = ladder_level(next(iter(profile.levels)), profile)
         blob = encode_chunk(level, kv, "0" * 64, profile=profile, start=64)
-        decode_chunk(blob, device=device, profile=profile, verified=True)
+        decode_chunk(blob, device=device, profile=profile, verified=True, tiers=level.tiers)
     except Exception as exc:  # only a warm-up: the real decode reports real errors
         log.debug("kernel warm-up failed: %s", exc)
 
@@ -211,7 +211,8 @@ def _measure(
         runs = []
         for _ in range(4):  # the first run loads the decode kernels
             t = time.perf_counter()
-            decode_chunk(blob, device=loaded.device, profile=profile, out=out, verified=True)
+            decode_chunk(blob, device=loaded.device, profile=profile, out=out, verified=True,
+                         tiers=level.tiers)
             _sync(loaded.device)
             runs.append(time.perf_counter() - t)
         speed.decode_s_per_token[level_id] = statistics.median(runs[1:]) / MEASURE_TOKENS

@@ -557,11 +557,14 @@ def warm_keys(manifest: Manifest, levels: Sequence[str] | None = None) -> tuple[
     if manifest.codec_profile is not None:
         keys.append(manifest.codec_profile.key)
         size += manifest.codec_profile.bytes
+    seen: set[str] = set()
     for chunk in manifest.chunks:
         for name in chosen:
             ref = chunk.objects[name]
-            keys.append(ref.key)
-            size += ref.bytes
+            if ref.key not in seen:  # a nested ladder's levels share one object a chunk
+                seen.add(ref.key)
+                keys.append(ref.key)
+                size += ref.bytes
     return keys, size
 
 

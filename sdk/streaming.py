@@ -328,11 +328,11 @@ class Pipeline:
             if ref is None or name in chunk.unusable:
                 continue
             decode_s = self.speed.decode_seconds(self.manifest.levels[name].id, tokens)
-            nbytes = ref.bytes
+            nbytes = ref.level_bytes  # of a nested level, the index and its tiers only
             if self.part is not None:  # the part's share of the decode, and of the bytes
                 decode_s *= self.share
                 if ref.index is not None:
-                    nbytes = ref.index.bytes + round((ref.bytes - ref.index.bytes) * self.share)
+                    nbytes = ref.index.bytes + round((nbytes - ref.index.bytes) * self.share)
             options.append(
                 Option(name, nbytes, self.options.quality_of[name],
                        decode_s * self.decode_factor)  # fmt: skip
@@ -570,7 +570,7 @@ class Pipeline:
         def work() -> None:
             try:
                 options = {"placement": self.placement, "on_bytes": on_bytes, "cancel": cancel}
-                if self.part is not None and ref.index is not None:
+                if (self.part is not None and ref.index is not None) or ref.tiers is not None:
                     read = read_part(self.reader, ref, self.part, name=f"object {ref.key}",
                                      **options)  # fmt: skip
                     data, source = read, read.source
@@ -643,9 +643,10 @@ class Pipeline:
         assert c.option is not None
         ref = c.entry.objects[c.option.level]
         # its bytes were checked against the manifest's sha256 when they arrived
+        part = c.data.part if isinstance(c.data, PartRead) else self.part
         decode_into(c.data, self.target.chunk(c.entry.start, c.entry.end),
                     name=f"object {ref.key}", profile=self.profile, verified=True,
-                    chunk_hash=c.entry.hash, part=self.part)  # fmt: skip
+                    chunk_hash=c.entry.hash, part=part)  # fmt: skip
         self.target.commit(c.entry.start, c.entry.end)
 
     def _recompute(self, c: _Chunk) -> None:

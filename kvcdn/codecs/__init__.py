@@ -79,6 +79,16 @@ class Codec(ABC):
         header's. Errors are :class:`FormatError` naming ``name``; values may have been
         written when one is raised at the end of a stream."""
 
+    def object_level(self, level: str, params: dict[str, Any]) -> str:
+        """The level an object's header names: the level's own, or for an object that
+        holds several (the nested ladder) the word its keys' level id begins with."""
+        return level
+
+    def tiers_for(self, level: str, params: dict[str, Any]) -> int | None:
+        """How many tiers of its object level ``level`` reads, for a codec whose one
+        object holds several levels (the nested ladder); None: the object is the level."""
+        return None
+
     # ---- version-2 objects: one section per KV head and layer ----------------------
     # The defaults treat each section as a payload of its own, of shape [1, 2, 1, T, D]
     # (fp16 and int8 are); a codec whose sections share state (the ladder codec's
@@ -133,7 +143,7 @@ def _one_section(header: ChunkHeader) -> ChunkHeader:
 def _section_ids(sections: Mapping[int, memoryview], part: Part, header: ChunkHeader,
                  name: str) -> list[int]:  # fmt: skip
     """The sections of ``part``, refused unless the part fits and all are present."""
-    if not part.fits(header.shape):
+    if not part.fits(header.shape) or part.tier_count(1) != 1:
         raise FormatError(f"{name}: part {part} is not within shape {list(header.shape)}")
     ids = part.section_ids(header.shape[0])
     if any(i not in sections for i in ids):
@@ -166,9 +176,10 @@ def codec_for(codec_id: str, name: str = "chunk object") -> Codec:
 def _register_builtin() -> None:
     from .fp16 import Fp16Codec
     from .int8 import Int8Codec
+    from .nested import NestedCodec
     from .rans import RansCodec
 
-    for codec in (Fp16Codec(), Int8Codec(), RansCodec()):
+    for codec in (Fp16Codec(), Int8Codec(), RansCodec(), NestedCodec()):
         register_codec(codec)
 
 

@@ -1,0 +1,328 @@
+"""Nested ladder against independent levels: sizes, quality and decode speed, one run.
+
+    python bench/progressive.py [--docs FILE ...] [--context-tokens 2048] [--design]
+                                [--base-bits 1.4] [--json OUT.json]
+
+On documents that are not calibration texts (bash(1) from character 60,000, curl(1),
+grep(1), and a seed text where it exists, as ``bench/codec.py``), every level of both
+layouts of the codec profile, from **real objects** (256-token chunks): the
+independent ladder (``kvcdn-rans-v1``, one object a level) and the nested ladder
+(``kvcdn-nested-v1``, one object a chunk, each level the index and its tiers); bits
+per element of what a reader of the level fetches, the model's mean next-token KL and
+perplexity change over the next 257 tokens against the exact KV, and decode speed
+(fp16-equivalent MB/s, best of 3 after a warm-up); then the store's bytes per
+document for all levels, before (independent) and after (nested).
+
+``--design`` adds the design study the nested layout was chosen by: it plans a nested
+ladder (:mod:`kvcdn.progressive`) for the embedded model on the
+bundled calibration texts: a base quantiser whose strength gives ``--base-bits``
+bits per element there, then one refinement per ladder level, each splitting
+the fewest streams in three that bring the calibration KL to the level's
+target (the targets today's levels were calibrated to). Then, on documents that
+are not calibration texts (bash(1) from character 60,000, curl(1), grep(1), as
+``bench/codec.py``), it scores every level of both ladders: the model's mean
+next-token KL and perplexity change over the next 257 tokens, against the exact
+KV, and the size.
+
+Sizes here are entropy estimates for both ladders, so the comparison is fair:
+per stream (layer, K/V, head, channel) the ideal code length of its symbols with
+the stream's own frequencies on the document (a nested level: base symbols,
+plus each refinement's ternary symbols given their context), over the tokens
+after the 4 exact sinks (real objects add tables, coder states and indexes).
+
+Also measured, as the design's ablation: the first refinement made by splitting
+every cell in two (a midrise quantiser of half the base step) against the
+midtread quantiser of the same step.
+
+Writes a table and ``bench/results/progressive.json`` (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from codecbench.documents import gather_docs
+from codecbench.log import log, warn
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+CONTINUATION_TOKENS = 257
+CHUNK = 256
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--docs", type=Path, nargs="+", metavar="FILE",
+                   help="held-out documents (default: bash, curl and grep man pages)")
+    p.add_argument("--context-tokens", type=int, default=2048, help="context length")
+    p.add_argument("--base-bits", type=float, default=1.4,
+                   help="bits per element of the base on the calibration texts (default 1.4)")
+    p.add_argument("--model", default="smollm2-135m", help="model (default: the embedded one)")
+    p.add_argument("--design", action="store_true",
+                   help="also plan a ladder by real-KL bisection and compare entropy estimates")
+    p.add_argument("--json", type=Path, default=RESULTS / "progressive.json")
+    return p.parse_args()  # fmt: skip
+
+
+def main() -> int:
+    args = parse_args()
+    from rich.console import Console
+
+    from kvcdn.models import load_model
+    from kvcdn.profile_store import ensure_profile
+    from kvcdn.quality import make_sample
+    from kvcdn.store import open_store
+
+    started = time.perf_counter()
+    console = Console(width=int(os.environ.get("COLUMNS", 140)))
+    model = load_model(args.model)
+    profile, _ = ensure_profile(open_store("memory://progressive-bench"), model)
+    if profile.nested is None:
+        warn("the codec profile has no nested ladder (calibrated by an older kvcdn)")
+        return 1
+    docs_dir = tempfile.TemporaryDirectory(prefix="kvcdn-progressive-bench-")
+    samples: dict[str, tuple[str, Any]] = {}
+    for doc, path, origin in gather_docs(args.docs, Path(docs_dir.name)):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if len(model.document_ids(text)) < args.context_tokens + CONTINUATION_TOKENS:
+            warn(f"{doc} is too short: skipped")
+            continue
+        samples[doc] = (origin, make_sample(model, text, args.context_tokens,
+                                            CONTINUATION_TOKENS))  # fmt: skip
+    if not samples:
+        warn("no document was long enough")
+        return 1
+    out: dict[str, Any] = {"model": model.name, "context_tokens": args.context_tokens,
+                           "real": real_objects(console, model, profile, samples)}  # fmt: skip
+    if args.design:
+        out["design"] = design_study(console, args, model, profile, samples)
+    out["seconds"] = time.perf_counter() - started
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    log(f"wrote {args.json} in {out['seconds']:.0f} s")
+    return 0
+
+
+def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tuple[str, Any]]
+                 ) -> dict[str, Any]:  # fmt: skip
+    """Both layouts of the profile as real objects: per level the bits a reader fetches,
+    the quality of what it decodes, and the decode speed."""
+    import numpy as np
+    import torch
+    from rich.table import Table
+
+    from kvcdn.codec import decode_chunk, encode_chunk, ladder_level, nested_level, tier_bytes
+    from kvcdn.codec_profile import LADDER
+    from kvcdn.quality import measure
+
+    tiers = list(profile.nested.tiers)
+    top = nested_level(tiers[-1], profile)
+    rows: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for doc, (_, sample) in samples.items():
+        kv = sample.kv.contiguous()
+        T = kv.shape[3]
+        spans = [(a, min(a + CHUNK, T)) for a in range(0, T, CHUNK)]
+        # independent: one object a level
+        for name in LADDER:
+            out = torch.empty_like(kv)
+            nbytes, seconds = 0, 0.0
+            for a, b in spans:
+                data = encode_chunk(ladder_level(name, profile), kv[:, :, :, a:b].contiguous(),
+                                    "0" * 64, profile=profile, start=a)  # fmt: skip
+                nbytes += len(data)
+                seconds += _best(lambda d=data, o=out[:, :, :, a:b]: decode_chunk(
+                    d, profile=profile, out=o))  # fmt: skip
+            rows.setdefault(name, {}).setdefault("independent", []).append(
+                {"bits": 8 * nbytes / kv.numel(), "decode_mb_s": 2 * kv.numel() / seconds / 1e6,
+                 **measure(model, sample, out)})  # fmt: skip
+        # nested: one object a chunk, each level its first tiers
+        objects = [encode_chunk(top, kv[:, :, :, a:b].contiguous(), "0" * 64, profile=profile,
+                                start=a) for a, b in spans]  # fmt: skip
+        for k, name in enumerate(tiers):
+            out = torch.empty_like(kv)
+            nbytes, seconds = 0, 0.0
+            for data, (a, b) in zip(objects, spans, strict=True):
+                nbytes += tier_bytes(data, k + 1)
+                seconds += _best(lambda d=data, o=out[:, :, :, a:b], k=k: decode_chunk(
+                    d, profile=profile, out=o, tiers=k + 1))  # fmt: skip
+            rows.setdefault(name, {}).setdefault("nested", []).append(
+                {"bits": 8 * nbytes / kv.numel(), "decode_mb_s": 2 * kv.numel() / seconds / 1e6,
+                 **measure(model, sample, out)})  # fmt: skip
+        log(f"{doc}: real objects done")
+    keys = ("bits", "kl", "ppl_delta_pct", "decode_mb_s")
+    summary = {name: {layout: {key: float(np.mean([r[key] for r in runs])) for key in keys}
+                      for layout, runs in by.items()} for name, by in rows.items()}  # fmt: skip
+    table = Table(title=f"Real objects, {model.name}, mean of {len(samples)} held-out documents, "
+                  f"{CHUNK}-token chunks: bits a reader of the level fetches")  # fmt: skip
+    for col in ("level", "independent bits", "KL", "PPL Δ%", "MB/s", "nested bits", "KL",
+                "PPL Δ%", "MB/s", "nested/independent"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for name in tiers:
+        n = summary[name]["nested"]
+        cells = ["", "", "", ""]
+        ratio = ""
+        if "independent" in summary[name]:
+            i = summary[name]["independent"]
+            cells = [f"{i['bits']:.3f}", f"{i['kl']:.4f}", f"{i['ppl_delta_pct']:+.2f}",
+                     f"{i['decode_mb_s']:.0f}"]  # fmt: skip
+            ratio = f"{n['bits'] / i['bits']:.3f}x"
+        table.add_row(name, *cells, f"{n['bits']:.3f}", f"{n['kl']:.4f}",
+                      f"{n['ppl_delta_pct']:+.2f}", f"{n['decode_mb_s']:.0f}", ratio)  # fmt: skip
+    console.print(table)
+    independent = sum(summary[n]["independent"]["bits"] for n in LADDER)
+    nested = summary[tiers[-1]]["nested"]["bits"]
+    console.print(
+        f"store bits per element for every level: independent {independent:.2f}, nested "
+        f"{nested:.2f} ({nested / independent:.2f}x); the nested object is "
+        f"{nested / summary[tiers[-1]]['independent']['bits']:.3f}x the independent "
+        f"{tiers[-1]} alone"
+    )
+    return {"summary": summary, "store_bits": {"independent": independent, "nested": nested},
+            "documents": rows}  # fmt: skip
+
+
+def _best(fn: Any, repeat: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def design_study(console: Any, args: argparse.Namespace, model: Any, profile: Any,
+                 samples: dict[str, tuple[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """A ladder planned by real-KL bisection on the calibration texts, both layouts'
+    entropy estimates on the held-out documents, and the split-in-two ablation."""
+    import numpy as np
+    import torch
+    from rich.table import Table
+
+    from kvcdn import progressive as pg
+    from kvcdn.calibrate import bundled_texts, calibration_samples, sensitivity, step_scale
+    from kvcdn.codec_profile import LADDER
+    from kvcdn.quality import measure
+
+    sinks, mean = profile.sinks, profile.mean
+    ladder = [name for name in reversed(LADDER) if name in profile.levels]  # coarsest first
+    t = time.perf_counter()
+    calib = calibration_samples(model, bundled_texts(), args.context_tokens)
+    fisher = sensitivity(model, calib, sinks)
+    body = torch.cat([s.kv[:, :, :, sinks:] for s in calib], dim=3).numpy()
+    unit, floor = step_scale(body, mean, fisher)
+    x_cal = pg.streams_of(body, mean)
+    per_sample = [pg.streams_of(s.kv[:, :, :, sinks:].numpy(), mean) for s in calib]
+    fisher_n, unit_n, floor_n = fisher.reshape(-1), unit.reshape(-1), floor.reshape(-1)
+    log(f"calibration samples and sensitivity in {time.perf_counter() - t:.1f} s")
+
+    def with_body(sample: Any, streams: np.ndarray) -> torch.Tensor:
+        kv = sample.kv.clone()
+        kv[:, :, :, sinks:] = torch.from_numpy(pg.values_of(streams, mean))
+        return kv
+
+    def nested_kv(sample: Any, x: np.ndarray, plan: pg.NestedPlan, level: int) -> torch.Tensor:
+        n = pg.indices(x, plan)[level]
+        return with_body(sample, pg.reconstruct(n, plan, level))
+
+    def kl_of(plan: pg.NestedPlan) -> float:
+        top = plan.levels - 1
+        return float(np.mean([measure(model, s, nested_kv(s, x, plan, top))["kl"]
+                              for s, x in zip(calib, per_sample, strict=True)]))  # fmt: skip
+
+    # The base: the strength whose calibration bits are --base-bits (bisection, no model).
+    def base_step(strength: float) -> np.ndarray:
+        return np.maximum(strength * unit_n, np.maximum(floor_n, 1e-6))
+
+    lo, hi = 0.2, 8.0
+    for _ in range(30):
+        mid = (lo * hi) ** 0.5
+        bits = pg.level_bits(x_cal, pg.base_plan(base_step(mid)))[0]
+        lo, hi = (mid, hi) if bits > args.base_bits else (lo, mid)
+    base_strength = hi
+    plan = pg.base_plan(base_step(base_strength))
+    t = time.perf_counter()
+    for name in ladder:
+        plan = pg.plan_refinement(x_cal, plan, fisher_n, kl_of, LADDER[name])
+        split = float((plan.depth[-1] > plan.depth[-2]).mean())
+        log(f"refinement {name}: {split:.1%} of streams split ({time.perf_counter() - t:.0f} s)")
+    names = ["base", *ladder]
+
+    results: dict[str, Any] = {}
+    for doc, (origin, sample) in samples.items():
+        x = pg.streams_of(sample.kv[:, :, :, sinks:].numpy(), mean)
+        rows: dict[str, Any] = {}
+        nested_bits = pg.level_bits(x, plan)
+        for k, name in enumerate(names):
+            row = {"nested": {"bits": nested_bits[k],
+                              **measure(model, sample, nested_kv(sample, x, plan, k))}}  # fmt: skip
+            if name in profile.levels:
+                step = profile.levels[name].step.astype(np.float64).reshape(-1)
+                n = np.clip(np.rint(x / step[:, None]), -pg.BASE_LIMIT, pg.BASE_LIMIT)
+                kv = with_body(sample, n * step[:, None])
+                row["independent"] = {"bits": float(pg.base_bits(n.astype(np.int64)).mean()),
+                                      **measure(model, sample, kv)}  # fmt: skip
+            rows[name] = row
+        half = plan.base_step[:, None] / 2
+        rows["ablation"] = {
+            "midtread-half-step": measure(model, sample,
+                                          with_body(sample, np.rint(x / half) * half)),
+            "midrise-half-step": measure(model, sample,
+                                         with_body(sample, (np.floor(x / half) + 0.5) * half)),
+        }  # fmt: skip
+        results[doc] = {"origin": origin, "rows": rows}
+        log(f"{doc}: done")
+    def mean_of(name: str, layout: str, key: str) -> float:
+        return float(np.mean([r["rows"][name][layout][key] for r in results.values()]))
+
+    table = Table(title=f"Nested against independent levels: {model.name}, mean of "
+                  f"{len(results)} held-out documents, {args.context_tokens}-token contexts "
+                  "(bits: entropy estimates)")  # fmt: skip
+    for col in ("level", "independent bits", "KL", "PPL Δ%", "nested bits", "KL", "PPL Δ%",
+                "nested/independent bits", "streams split"):  # fmt: skip
+        table.add_column(col, justify="right")
+    summary: dict[str, Any] = {}
+    for k, name in enumerate(names):
+        nb, nk, npp = (mean_of(name, "nested", key) for key in ("bits", "kl", "ppl_delta_pct"))
+        split = float((plan.depth[k] > plan.depth[k - 1]).mean()) if k else 0.0
+        summary[name] = {"nested": {"bits": nb, "kl": nk, "ppl_delta_pct": npp},
+                         "streams_split": split}  # fmt: skip
+        if "independent" in results[next(iter(results))]["rows"][name]:
+            ib, ik, ip = (mean_of(name, "independent", key)
+                          for key in ("bits", "kl", "ppl_delta_pct"))  # fmt: skip
+            summary[name]["independent"] = {"bits": ib, "kl": ik, "ppl_delta_pct": ip}
+            table.add_row(name, f"{ib:.3f}", f"{ik:.4f}", f"{ip:+.2f}", f"{nb:.3f}",
+                          f"{nk:.4f}", f"{npp:+.2f}", f"{nb / ib:.3f}x", f"{split:.1%}")
+        else:
+            table.add_row(name, "", "", "", f"{nb:.3f}", f"{nk:.4f}", f"{npp:+.2f}", "",
+                          f"{split:.1%}")  # fmt: skip
+    console.print(table)
+    top = ladder[-1]
+    stored_independent = sum(summary[n]["independent"]["bits"] for n in ladder)
+    stored_nested = summary[top]["nested"]["bits"]
+    abl = {key: float(np.mean([r["rows"]["ablation"][key]["kl"] for r in results.values()]))
+           for key in ("midtread-half-step", "midrise-half-step")}  # fmt: skip
+    console.print(
+        f"store bits per element, every level: independent {stored_independent:.2f}, nested "
+        f"{stored_nested:.2f} ({stored_nested / stored_independent:.2f}x); the whole nested "
+        f"object is {stored_nested / summary[top]['independent']['bits']:.3f}x the "
+        f"independent {top} alone\n"
+        f"ablation, half the base step: midtread KL {abl['midtread-half-step']:.4f}, midrise "
+        f"(split in two) KL {abl['midrise-half-step']:.4f} "
+        f"({abl['midrise-half-step'] / abl['midtread-half-step']:.1f}x)"
+    )
+    return {"base_strength": base_strength, "summary": summary,
+            "store_bits": {"independent": stored_independent, "nested": stored_nested},
+            "ablation_kl": abl, "documents": results,
+            "estimator": "ideal per-stream entropy on the document, tokens after the sinks"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The nested ladder codec (kvcdn-nested-v1) on the embedded model's real profile: every
+tier as its specification says, bit for bit; a reader of tier k fetches the base and
+refinements 1..k and nothing else; damage is caught before use."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kvcdn.codec import (
+    decode_chunk,
+    decode_into,
+    encode_chunk,
+    nested_level,
+    object_ref,
+    read_part,
+    tier_bytes,
+)
+from kvcdn.codec_profile import LADDER, NESTED_TIERS, parse_profile
+from kvcdn.codecs import TensorDest
+from kvcdn.container import Part, pack_sections, parse_index, unpack
+from kvcdn.errors import FormatError, IntegrityError
+
+HASH = "cd" * 32
+
+
+@pytest.fixture(scope="module")
+def doc_kv(model, sed_text):
+    return model.prefill(model.document_ids(sed_text)[:512]).float()
+
+
+@pytest.fixture(scope="module")
+def nested_object(profile, doc_kv) -> bytes:
+    level = nested_level("default", profile)
+    return encode_chunk(level, doc_kv[:, :, :, 256:512].contiguous(), HASH, profile=profile,
+                        start=256)  # fmt: skip
+
+
+def _spec_values(profile, kv: torch.Tensor, k: int) -> np.ndarray:
+    """docs/format.md's definition of tier k's values, in numpy (float32 as specified)."""
+    mean, fine, depth, lo, size, _, _ = profile.nested_arrays()
+    groups = mean.shape[0]
+    x = kv.float().numpy().reshape(groups, kv.shape[3], kv.shape[4])
+    top = depth[-1]
+    up = 3**top
+    half = (up - 1) // 2
+    q = np.rint((x - mean[:, None]) / fine[:, None])
+    q = np.clip(q, (lo * up - half)[:, None], ((lo + size - 1) * up + half)[:, None])
+    up_k = 3 ** (top - depth[k])
+    n = np.floor_divide(q.astype(np.int64) + (up_k[:, None] - 1) // 2, up_k[:, None])
+    return (mean[:, None] + (n * up_k[:, None]).astype(np.float32) * fine[:, None]).astype(
+        np.float32
+    )
+
+
+def test_the_profile_holds_a_nested_ladder_with_measured_tiers(profile) -> None:
+    spec = profile.nested
+    assert spec is not None and spec.tiers == NESTED_TIERS
+    q = spec.quality
+    bits = [q[t]["bits_per_element"] for t in spec.tiers]
+    kls = [q[t]["kl"] for t in spec.tiers]
+    assert bits == sorted(bits) and kls == sorted(kls, reverse=True)  # each tier adds
+    assert bits[0] <= 1.6  # the rung below lowest, for the slowest links
+    for tier in spec.tiers[1:]:  # each refinement meets its level's target, within 2x
+        assert q[tier]["kl"] <= 2 * LADDER[tier], (tier, q[tier])
+    again = parse_profile(profile.to_bytes())
+    assert again.nested is not None and np.array_equal(again.nested.depth, spec.depth)
+
+
+def test_every_tier_decodes_to_its_specified_values(profile, doc_kv, nested_object) -> None:
+    chunk = doc_kv[:, :, :, 256:512]
+    for k in range(len(NESTED_TIERS)):
+        _, out = decode_chunk(nested_object, profile=profile, tiers=k + 1, chunk_hash=HASH)
+        assert np.array_equal(out.numpy().reshape(-1), _spec_values(profile, chunk, k).ravel())
+    # the first chunk keeps the document's sinks exact, in the base's sections only
+    first = encode_chunk(nested_level("low", profile), doc_kv[:, :, :, :256].contiguous(), HASH,
+                         profile=profile, start=0)  # fmt: skip
+    _, out = decode_chunk(first, profile=profile, tiers=1)
+    s = profile.sinks
+    assert torch.equal(out[:, :, :, :s], doc_kv[:, :, :, :s].half().float())
+    index = parse_index(first)
+    per_tier = len(index.lengths) // index.tiers
+    assert index.tiers == len(NESTED_TIERS)
+    assert min(index.lengths[:per_tier]) > max(index.lengths[per_tier : 2 * per_tier]) // 4
+
+
+def test_a_reader_of_tier_k_fetches_the_base_and_refinements_up_to_k_only(
+    profile, nested_object, tmp_path
+) -> None:
+    """Counted at the store: the index, then tiers 0..k of the reader's heads; an upgrade
+    from tier k to k+1 (decoding what was fetched plus refinement k+1) equals a direct
+    read of tier k+1."""
+    from kvcdn.store import open_store
+
+    store = open_store(str(tmp_path / "store"))
+    ref = object_ref("objects/nested", nested_object)
+    store.put(ref.key, nested_object)
+    index = parse_index(nested_object)
+    layers, heads = 30, 3
+    per_tier = layers * heads
+    seen: list[int] = []
+    for k in range(len(NESTED_TIERS)):
+        for part in (Part((0, 30), (0, 3), k + 1), Part((0, 30), (1, 2), k + 1)):
+            read = read_part(store, ref, part, name="x", on_bytes=seen.append)
+            ids = part.section_ids(layers, heads, index.tiers)
+            assert max(ids) < (k + 1) * per_tier
+            assert read.nbytes == sum(seen) == index.size + sum(index.lengths[i] for i in ids)
+            seen.clear()
+            out = torch.empty(part.shape((30, 2, 3, 256, 64)))
+            decode_into(read, TensorDest(out), profile=profile, part=part, chunk_hash=HASH)
+            _, whole = decode_chunk(nested_object, profile=profile, tiers=k + 1)
+            assert torch.equal(out, whole[:, :, part.heads[0] : part.heads[1]])
+        assert tier_bytes(nested_object, k + 1) == index.size + sum(
+            index.lengths[: (k + 1) * per_tier]
+        )
+
+
+def test_a_damaged_refinement_is_caught_and_the_tiers_below_still_load(
+    profile, nested_object, tmp_path
+) -> None:
+    from kvcdn.store import open_store
+
+    index = parse_index(nested_object)
+    per_tier = 90
+    store = open_store(str(tmp_path / "store"))
+    ref = object_ref("objects/nested", nested_object)
+    damaged = bytearray(nested_object)
+    victim = 3 * per_tier + 40  # tier 3 ("default"), head 1, layer 10
+    damaged[index.offsets[victim] + index.lengths[victim] // 2] ^= 0x10
+    store.put(ref.key, bytes(damaged))
+    for k in range(3):  # tiers below the damage read and decode as ever
+        read = read_part(store, ref, Part((0, 30), (0, 3), k + 1), name="x")
+        out = torch.empty(30, 2, 3, 256, 64)
+        decode_into(read, TensorDest(out), profile=profile, part=read.part)
+        _, whole = decode_chunk(nested_object, profile=profile, tiers=k + 1)
+        assert torch.equal(out, whole)
+    with pytest.raises(IntegrityError, match=f"section {victim}"):
+        read_part(store, ref, Part((0, 30), (0, 3), 4), name="x")
+    # a publisher that wrote bad refinement words itself: sha256s agree, the stream check
+    # refuses the tier (and never the base)
+    header, body = unpack(nested_object)
+    sections = [bytes(body.sections[i]) for i in range(len(body.sections))]
+    raw = bytearray(sections[victim])
+    raw[-1] ^= 0x5A
+    sections[victim] = bytes(raw)
+    evil = pack_sections(header, sections)
+    decode_chunk(evil, profile=profile, tiers=3)
+    with pytest.raises(FormatError, match="does not end where it should|out of range"):
+        decode_chunk(evil, profile=profile, tiers=4)
+
+
+def test_nested_objects_refuse_what_does_not_fit(profile, nested_object) -> None:
+    header, body = unpack(nested_object)
+    with pytest.raises(FormatError, match="not within"):
+        decode_chunk(nested_object, profile=profile, tiers=len(NESTED_TIERS) + 1)
+    other = dataclasses.replace(header, params={**header.params, "tiers": ["minimal", "low"]})
+    sections = [bytes(body.sections[i]) for i in range(len(body.sections))]
+    with pytest.raises(FormatError, match="tiers"):
+        decode_chunk(pack_sections(other, sections), profile=profile)
+    with pytest.raises(FormatError, match="sections for"):
+        pack_sections(header, sections[:-1])
+
+
+def test_a_nested_publication_is_one_object_a_chunk_and_each_level_reads_its_tiers(
+    model, profile, sed_text, tmp_path
+) -> None:
+    """Published with ``levels="nested"``: every level of a chunk names one object; an
+    edge warms it once for all levels; a load at a level fetches exactly the index and
+    that level's tiers of each chunk (counted by a real edge) and holds what decoding
+    those tiers gives."""
+    from kvcdn.catalog import read_manifest
+    from kvcdn.models import kv_from_cache
+    from kvcdn.publish import publish
+    from kvcdn.sdk import load_context
+    from kvcdn.sdk.edges import warm_keys
+    from kvcdn.store import open_store
+    from tests.edge_helpers import EdgeProcess, post_json
+
+    root = tmp_path / "store"
+    text = sed_text[:6000]
+    result = publish(text=text, name="sed-nested", model=model, store=str(root), levels="nested")
+    store = open_store(str(root))
+    manifest = read_manifest(store, "sed-nested", None)
+    assert [n for n in manifest.levels if n != "text"] == list(NESTED_TIERS)
+    chunks = manifest.chunks
+    assert result.uploaded_objects == len(chunks) and result.reused_objects == 0
+    for c in chunks:
+        refs = [c.objects[t] for t in NESTED_TIERS]
+        assert len({r.key for r in refs}) == 1
+        assert [r.tiers.count for r in refs] == list(range(1, len(NESTED_TIERS) + 1))
+        assert [r.tiers.bytes for r in refs] == sorted(r.tiers.bytes for r in refs)
+        assert refs[-1].tiers.bytes == refs[-1].bytes  # the top level reads it all
+    keys, size = warm_keys(manifest)
+    assert len(keys) == len(chunks) + 1  # the objects and the codec profile, once each
+    _hostile_tiers_are_refused(manifest)
+    edge = EdgeProcess(str(root), tmp_path / "cache", None).start()
+    try:
+        status, _ = post_json(f"{edge.url}/warm", {"keys": keys})
+        assert status in (200, 202)
+        edge.wait_cached(len(keys), timeout_s=60)
+        overhead = []  # what the edge served besides the tiers: manifest, pointer, profile
+        for level in ("minimal", "default", "nearlossless"):
+            before = edge.metrics()["kvcdn_edge_bytes_served_total"]
+            ctx = load_context("sed-nested", model=model, edges=[edge.url], quality=level)
+            served = edge.metrics()["kvcdn_edge_bytes_served_total"] - before
+            tiers = sum(c.objects[level].tiers.bytes for c in chunks)
+            assert ctx.plan.chunk_levels == [level] * len(chunks)
+            overhead.append(served - tiers)
+            assert sum(r.bytes for r in ctx.plan.chunks) == tiers
+            kv = kv_from_cache(ctx.cache)
+            c = chunks[1]
+            data = store.get(c.objects[level])
+            _, want = decode_chunk(data, profile=profile, tiers=c.objects[level].tiers.count)
+            got = kv[:, :, :, c.start : c.end]
+            assert torch.equal(got, want.to(got.dtype))
+        # the same manifest and pointer each time (and the profile, once): not a byte of a
+        # tier above the level's was served
+        assert overhead[1] == overhead[2] < 64 << 10
+        assert overhead[0] - overhead[1] in (0, manifest.codec_profile.bytes)
+    finally:
+        edge.kill()
+    # a refinement damaged in the store: the levels that read it lose that chunk (it is
+    # recomputed), the levels below still load it from their intact tiers
+    victim = chunks[2]
+    ref = victim.objects["default"]
+    path = root / ref.key
+    raw = bytearray(path.read_bytes())
+    index = parse_index(bytes(raw))
+    section = 3 * 90 + 17  # tier 3 (default), head 0, layer 17
+    raw[index.offsets[section] + 8] ^= 0x01
+    path.write_bytes(bytes(raw))
+    ctx = load_context("sed-nested", model=model, store=str(root), quality="default")
+    report = ctx.plan.chunks[2]
+    assert report.level == "text" and "section" in " ".join(report.failed)
+    assert ctx.plan.chunk_levels.count("default") == len(chunks) - 1
+    ctx = load_context("sed-nested", model=model, store=str(root), quality="low")
+    assert ctx.plan.chunk_levels == ["low"] * len(chunks)
+
+
+def _hostile_tiers_are_refused(manifest) -> None:
+    """A manifest whose tiers point outside the object, lack an index, or name a key that
+    is not the nested object's own is refused whole."""
+    import copy
+
+    from kvcdn.manifest import manifest_from_json
+
+    raw = manifest.to_json()
+    manifest_from_json(copy.deepcopy(raw), name="m")  # as published, it parses
+    obj = raw["chunks"][0]["objects"]["default"]
+    for change in (
+        lambda o: o["tiers"].update(bytes=o["bytes"] + 1),
+        lambda o: o["tiers"].update(bytes=o["index"]["bytes"]),
+        lambda o: o["tiers"].update(count=17),
+        lambda o: o.pop("index"),
+        lambda o: o.update(key=o["key"].replace("/nested-", "/default-")),
+    ):
+        bad = copy.deepcopy(raw)
+        change(bad["chunks"][0]["objects"]["default"])
+        with pytest.raises(FormatError):
+            manifest_from_json(bad, name="m")
+    assert obj["tiers"]["count"] == NESTED_TIERS.index("default") + 1
