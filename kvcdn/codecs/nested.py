@@ -16,7 +16,6 @@ The kernels are :mod:`kvcdn.kernels.nested`.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,6 +26,7 @@ from kvcdn.errors import FormatError, InputError
 
 from . import Codec
 from .dest import ChunkDest
+from .rans import pack_section, parse_section
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from kvcdn.codec_profile import CodecProfile
     from kvcdn.container import ChunkHeader, Part
 
-_SECTION = struct.Struct("<III")
 #: What a nested object's header names as its level: the object holds all of them (the
 #: same word begins its keys' level id, which an edge checks against the header).
 OBJECT_LEVEL = "nested"
@@ -87,18 +86,12 @@ class NestedCodec(Codec):
         sink = x[:, :sinks].astype("<f2")
         out = []
         for r in range(len(spec.tiers)):
-            w = words[r].astype("<u2")
+            s = sinks if r == 0 else 0  # the exact tokens are the base's
             for h in range(heads):
                 for layer in range(layers):
                     k, v = (layer * 2) * heads + h, (layer * 2 + 1) * heads + h
-                    ks, ke, vs, ve = (int(word_start[r, g + e]) for g in (k, v) for e in (0, 1))
-                    s = sinks if r == 0 else 0
-                    out.append(b"".join((
-                        _SECTION.pack(s, ke - ks, ve - vs),
-                        states[r, [k, v]].astype("<u4").tobytes(),
-                        sink[[k, v]].tobytes() if s else b"",
-                        w[ks:ke].tobytes(), w[vs:ve].tobytes(),
-                    )))  # fmt: skip
+                    out.append(pack_section(s, states[r], sink[:, :s], words[r],
+                                            word_start[r], k, v))  # fmt: skip
         return out
 
     def check_sections(
@@ -195,30 +188,17 @@ def _streams(
         for h in range(*part.heads):
             for layer in range(*part.layers):
                 i = r * per_tier + h * layers + layer
-                raw = sections[i]
-                if len(raw) < _SECTION.size:
-                    raise FormatError(f"{name}: section {i} is truncated")
-                s, nk, nv = _SECTION.unpack_from(raw, 0)
+                s, st, sink, wk, wv = parse_section(sections[i], i, STATES, tokens, dim, name)
                 if r == 0 and sinks is None:
                     sinks = s
-                if (r == 0 and s != sinks) or (r > 0 and s != 0) or s > tokens:
+                if s != (sinks if r == 0 else 0):
                     raise FormatError(f"{name}: section {i} keeps {s} exact tokens")
-                if max(nk, nv) > (tokens - (sinks or 0)) * dim:
+                if max(len(wk), len(wv)) > (tokens - (sinks or 0)) * dim:
                     raise FormatError(f"{name}: a stream of section {i} is longer than its "
                                       "symbols allow")  # fmt: skip
-                off = _SECTION.size
-                expected = off + 8 * STATES + 4 * s * dim + 2 * (nk + nv)
-                if len(raw) != expected:
-                    raise FormatError(f"{name}: section {i} is {len(raw)} bytes, its counts "
-                                      f"say {expected}")  # fmt: skip
-                st = np.frombuffer(raw, dtype="<u4", count=2 * STATES, offset=off)
-                off += 8 * STATES
                 if s:
-                    sink_parts[h * layers + layer] = np.frombuffer(
-                        raw, dtype="<f2", count=2 * s * dim, offset=off).reshape(2, s, dim)
-                off += 4 * s * dim
-                w = np.frombuffer(raw, dtype="<u2", count=nk + nv, offset=off)
-                parsed[h * layers + layer] = (st.reshape(2, STATES), w[:nk], w[nk:])
+                    sink_parts[h * layers + layer] = sink
+                parsed[h * layers + layer] = (st, wk, wv)
         picked = [(parsed[h * layers + lay_], kv) for lay_, kv, h in order]
         states[r] = np.stack([p[0][kv] for p, kv in picked])
         counts = np.array([len(p[1 + kv]) for p, kv in picked], dtype=np.int64)

@@ -110,17 +110,11 @@ class RansCodec(Codec):
         one section per head and layer: its K and V groups' states, sinks and words."""
         _, sinks, sink, states, words, word_start = _code_groups(kv, params, profile, start)
         layers, _, heads = kv.shape[:3]
-        states, words = states.astype("<u4"), words.astype("<u2")
         out = []
         for h in range(heads):
             for layer in range(layers):
                 k, v = (layer * 2) * heads + h, (layer * 2 + 1) * heads + h
-                ks, ke, vs, ve = (int(word_start[g + e]) for g in (k, v) for e in (0, 1))
-                out.append(b"".join((
-                    _SECTION.pack(sinks, ke - ks, ve - vs),
-                    states[[k, v]].tobytes(), sink[[k, v]].tobytes(),
-                    words[ks:ke].tobytes(), words[vs:ve].tobytes(),
-                )))  # fmt: skip
+                out.append(pack_section(sinks, states, sink, words, word_start, k, v))
         return out
 
     def check_sections(
@@ -231,30 +225,16 @@ def _section_streams(
     parsed: dict[int, tuple[np.ndarray, ...]] = {}
     sinks = None
     for i in ids:
-        raw = sections[i]
-        if len(raw) < _SECTION.size:
-            raise FormatError(f"{name}: section {i} is truncated")
-        s, nk, nv = _SECTION.unpack_from(raw, 0)
+        parsed[i] = parse_section(sections[i], i, dim, tokens, dim, name)
         if sinks is None:
-            sinks = s
-        if s != sinks or s > tokens:
-            raise FormatError(f"{name}: section {i} keeps {s} exact tokens, not {sinks}")
-        if max(nk, nv) > (tokens - s) * dim:
-            raise FormatError(f"{name}: a stream of section {i} is longer than its symbols allow")
-        off = _SECTION.size
-        expected = off + 8 * dim + 4 * s * dim + 2 * (nk + nv)
-        if len(raw) != expected:
-            raise FormatError(f"{name}: section {i} is {len(raw)} bytes, its counts say {expected}")
-        states = np.frombuffer(raw, dtype="<u4", count=2 * dim, offset=off).reshape(2, dim)
-        off += 8 * dim
-        sink = np.frombuffer(raw, dtype="<f2", count=2 * s * dim, offset=off).reshape(2, s, dim)
-        off += 4 * s * dim
-        words = np.frombuffer(raw, dtype="<u2", count=nk + nv, offset=off)
-        parsed[i] = (states, sink, words[:nk], words[nk:])
+            sinks = parsed[i][0]
+        if parsed[i][0] != sinks:
+            raise FormatError(f"{name}: section {i} keeps {parsed[i][0]} exact tokens, "
+                              f"not {sinks}")  # fmt: skip
     assert sinks is not None  # a part holds at least one section
     order = [(lay, kv, h) for lay in range(*part.layers) for kv in (0, 1)
              for h in range(*part.heads)]  # fmt: skip
-    picked = [(parsed[h * layers + lay], kv) for lay, kv, h in order]
+    picked = [(parsed[h * layers + lay][1:], kv) for lay, kv, h in order]
     states = np.stack([p[0][kv] for p, kv in picked])
     if np.any(states < (1 << 16)):
         raise FormatError(f"{name}: a stream state is out of range")
@@ -268,6 +248,45 @@ def _section_streams(
         sink = np.empty((len(picked), 0, dim), dtype="<f2")
     gids = np.array([(lay * 2 + kv) * heads + h for lay, kv, h in order], dtype=np.int64)
     return _Parts(level, len(picked), sinks, word_start, states, sink, words), gids
+
+
+def pack_section(sinks: int, states: np.ndarray, sink: np.ndarray, words: np.ndarray,
+                 word_start: np.ndarray, k: int, v: int) -> bytes:  # fmt: skip
+    """The version-2 section of groups ``k`` (keys) and ``v`` (values) of one head and
+    layer: u32 S, u32 words of K, u32 words of V; u32 states[2][lanes]; f16 sinks[2][S][D];
+    u16 words (K's, then V's). ``states [G, lanes]``, ``sink [G, S, D]``, ``words`` and
+    ``word_start [G + 1]`` are every group's (the nested codec's tiers use it too)."""
+    ks, ke, vs, ve = (int(word_start[g + e]) for g in (k, v) for e in (0, 1))
+    words = words.astype("<u2", copy=False)
+    return b"".join((
+        _SECTION.pack(sinks, ke - ks, ve - vs),
+        states[[k, v]].astype("<u4").tobytes(), sink[[k, v]].astype("<f2").tobytes(),
+        words[ks:ke].tobytes(), words[vs:ve].tobytes(),
+    ))  # fmt: skip
+
+
+def parse_section(
+    raw: memoryview, i: int, lanes: int, tokens: int, dim: int, name: str
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pack_section` read back, every length checked before it is used: (S,
+    states ``[2, lanes]``, sinks ``[2, S, D]``, K's words, V's words)."""
+    if len(raw) < _SECTION.size:
+        raise FormatError(f"{name}: section {i} is truncated")
+    s, nk, nv = _SECTION.unpack_from(raw, 0)
+    if s > tokens:
+        raise FormatError(f"{name}: section {i} keeps {s} exact tokens of {tokens}")
+    if max(nk, nv) > (tokens - s) * dim:
+        raise FormatError(f"{name}: a stream of section {i} is longer than its symbols allow")
+    off = _SECTION.size
+    expected = off + 8 * lanes + 4 * s * dim + 2 * (nk + nv)
+    if len(raw) != expected:
+        raise FormatError(f"{name}: section {i} is {len(raw)} bytes, its counts say {expected}")
+    states = np.frombuffer(raw, dtype="<u4", count=2 * lanes, offset=off).reshape(2, lanes)
+    off += 8 * lanes
+    sink = np.frombuffer(raw, dtype="<f2", count=2 * s * dim, offset=off).reshape(2, s, dim)
+    off += 4 * s * dim
+    words = np.frombuffer(raw, dtype="<u2", count=nk + nv, offset=off)
+    return s, states, sink, words[:nk], words[nk:]
 
 
 def _parts(
