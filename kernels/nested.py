@@ -166,101 +166,170 @@ def encode(
     return states, [flat[r, : word_start[r, -1]].copy() for r in range(R)], word_start
 
 
+_U = np.uint64
+_UMASK = _U(_MASK)
+_UL = _U(RANS_L)
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _dec(x, tab, lut, words, r, pos, last):  # pragma: no cover - jitted
-    """One symbol from state ``x`` with table ``tab``: (symbol, new state, new position)."""
-    e = lut[tab, x & np.uint32(_MASK)]
-    v = (((e >> np.uint32(8)) & np.uint32(0xFFF)) + np.uint32(1)) * (x >> np.uint32(PROB_BITS))
-    v += e >> np.uint32(20)
-    w = np.uint32(words[r, min(pos, last)])
-    if v < np.uint32(RANS_L):
-        return np.int64(e & np.uint32(0xFF)), (v << np.uint32(16)) | w, pos + 1
-    return np.int64(e & np.uint32(0xFF)), v, pos
+def _base_symbol(x, row, lut, words, p, last):  # pragma: no cover - jitted
+    """A base symbol from state ``x``, ``row`` the first LUT entry of the lane's table:
+    (symbol, new state, new position). Branch-free (a renormalisation is data, not a
+    jump: which states renormalise is random), unsigned indices (no wraparound
+    checks): the decoder is bound by instructions a symbol, not by latency."""
+    e = _U(lut[row + (x & _UMASK)])
+    v = (((e >> _U(8)) & _U(0xFFF)) + _U(1)) * (x >> _U(PROB_BITS)) + (e >> _U(20))
+    b = (v - _UL) >> _U(63)  # 1 where v < L: take a word
+    w = _U(words[min(p, last)])
+    return e & _U(0xFF), (v << (b << _U(4))) | (w & (_U(0) - b)), p + b
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def _decode(g0, g1, k, words, word_start, states, lut, mean, fine, top, depth, lo, base_tid,
-            refine_tid, out, status):  # pragma: no cover - jitted  # fmt: skip
-    """Tiers ``0..k`` of groups ``[g0, g1)``, a tier at a time: the base's indices into a
-    buffer, each refinement's symbols into it (its coded lanes only), then the values.
-    The four states of a tier are locals (registers); a read is clamped to the tier's
-    words of the group (a corrupt stream cannot read outside them), and the end
-    check finds overruns."""
+@njit(cache=True, nogil=True, inline="always")
+def _refinement(at, x, lanes, n, cut, ent, words, p, last):  # pragma: no cover - jitted
+    """Coded lane ``at``'s next refinement symbol, applied to its index ``n[lanes[at]]``:
+    (new state, new position). A ternary table needs no LUT: the symbol is the count
+    of its two cut points (``cut``) at or below the slot, and ``ent`` holds each
+    symbol's ``freq | start << 16`` (per lane and context)."""
+    d = lanes[at]
+    parent = n[d]
+    a = _U(abs(parent))
+    at3 = at * _U(3) + _U(a != _U(0)) + _U(a > _U(1))  # context min(|parent|, 2)
+    slot = x & _UMASK
+    s = ((cut[at3 * _U(2)] - _U(1) - slot) >> _U(63)) + (
+        (cut[at3 * _U(2) + _U(1)] - _U(1) - slot) >> _U(63))  # fmt: skip
+    e = ent[at3 * _U(3) + s]
+    v = (e & _U(0xFFFF)) * (x >> _U(PROB_BITS)) + slot - (e >> _U(16))
+    b = (v - _UL) >> _U(63)
+    w = _U(words[min(p, last)])
+    n[d] = 3 * parent + (np.int64(s) - 1) * ((parent >> 63) | 1)  # from the mean's side
+    return (v << (b << _U(4))) | (w & (_U(0) - b)), p + b
+
+
+@njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)
+def _decode(g0, g1, k, words, wbeg, wend, states, lut, cum, mean, fine, top, depth, lo,
+            base_tid, refine_tid, out, status):  # pragma: no cover - jitted  # fmt: skip
+    """Tiers ``0..k`` of groups ``[g0, g1)``, token by token: the base's symbols of every
+    lane, then each refinement's symbols of its coded lanes (each tier its own four
+    states, in registers while its row is decoded), then the token's values. A read
+    is clamped to the group's words of its tier (a corrupt stream cannot read outside
+    them), and the end check finds overruns."""
     G, T, D = out.shape
-    n = np.empty((T, D), dtype=np.int64)
-    lanes = np.empty(D, dtype=np.int64)
-    tabs = np.empty((3, D), dtype=np.int64)
+    R = k + 1
+    S = 1 << PROB_BITS
+    n = np.empty(D, dtype=np.int64)
+    lanes = np.empty(R * D, dtype=np.uint64)  # tier r's coded lanes, from r * D
+    m = np.empty(R, dtype=np.uint64)
+    cut = np.empty(R * D * 3 * 2, dtype=np.uint64)  # (coded lane, context): 2 cut points
+    ent = np.empty(R * D * 3 * 3, dtype=np.uint64)  # (coded lane, context, symbol)
+    rows = np.empty(D, dtype=np.uint64)
+    low = np.empty(D, dtype=np.int64)
+    xs = np.empty(R * STATES, dtype=np.uint64)
+    pos = np.empty(R, dtype=np.uint64)
+    last = np.empty(R, dtype=np.uint64)
     scale = np.empty(D, dtype=np.float32)
+    mu = np.empty(D, dtype=np.float32)
     for g in range(g0, g1):
-        ok = True
-        for r in range(k + 1):
-            m = 0
-            for d in range(D):
-                if r == 0:
-                    lanes[m] = d
-                    tabs[0, m] = base_tid[g, d]
-                    m += 1
-                elif depth[r, g, d] != depth[r - 1, g, d]:
-                    lanes[m] = d
-                    for c in range(3):
-                        tabs[c, m] = refine_tid[r - 1, c, g, d]
-                    m += 1
-            x0, x1, x2, x3 = states[r, g, 0], states[r, g, 1], states[r, g, 2], states[r, g, 3]
-            pos = word_start[r, g]
-            end = word_start[r, g + 1]
-            last = max(end - 1, pos)
-            for t in range(T):
-                for j in range(m):
-                    d = lanes[j]
-                    i = j % STATES
-                    xi = x0 if i == 0 else (x1 if i == 1 else (x2 if i == 2 else x3))
-                    if r == 0:
-                        s, xi, pos = _dec(xi, tabs[0, j], lut, words, r, pos, last)
-                        n[t, d] = s + lo[g, d]
-                    else:
-                        p = n[t, d]
-                        c = 2 if p > 1 else (p if p >= 0 else (-p if p > -2 else 2))
-                        s, xi, pos = _dec(xi, tabs[c, j], lut, words, r, pos, last)
-                        n[t, d] = 3 * p + (1 - s if p < 0 else s - 1)
-                    if i == 0:
-                        x0 = xi
-                    elif i == 1:
-                        x1 = xi
-                    elif i == 2:
-                        x2 = xi
-                    else:
-                        x3 = xi
-            rl = np.uint32(RANS_L)
-            if pos != end or x0 != rl or x1 != rl or x2 != rl or x3 != rl:
-                ok = False
         for d in range(D):
+            rows[d] = _U(base_tid[g, d]) * _U(S)
+            low[d] = lo[g, d]
+            mu[d] = mean[g, d]
             scale[d] = np.float32(_pow3(top[g, d] - depth[k, g, d])) * fine[g, d]
-        for t in range(T):
+        for r in range(R):
+            q = 0
             for d in range(D):
-                out[g, t, d] = mean[g, d] + np.float32(n[t, d]) * scale[d]
+                if r == 0 or depth[r, g, d] != depth[r - 1, g, d]:
+                    lanes[r * D + q] = d
+                    if r > 0:
+                        for c in range(3):
+                            tab = refine_tid[r - 1, c, g, d]
+                            c1, c2 = _U(cum[tab, 1]), _U(cum[tab, 2])
+                            at = (r * D + q) * 3 + c
+                            cut[at * 2], cut[at * 2 + 1] = c1, c2
+                            ent[at * 3] = c1
+                            ent[at * 3 + 1] = (c2 - c1) | (c1 << _U(16))
+                            ent[at * 3 + 2] = (_U(S) - c2) | (c2 << _U(16))
+                    q += 1
+            m[r] = q
+            for i in range(STATES):
+                xs[r * STATES + i] = states[r, g, i]
+            pos[r] = wbeg[r, g]
+            last[r] = max(wend[r, g] - 1, wbeg[r, g])
+        for t in range(T):
+            x0, x1, x2, x3 = xs[0], xs[1], xs[2], xs[3]
+            p, lp = pos[0], last[0]
+            j = 0
+            while j + 4 <= D:
+                s, x0, p = _base_symbol(x0, rows[j], lut, words, p, lp)
+                n[j] = np.int64(s) + low[j]
+                s, x1, p = _base_symbol(x1, rows[j + 1], lut, words, p, lp)
+                n[j + 1] = np.int64(s) + low[j + 1]
+                s, x2, p = _base_symbol(x2, rows[j + 2], lut, words, p, lp)
+                n[j + 2] = np.int64(s) + low[j + 2]
+                s, x3, p = _base_symbol(x3, rows[j + 3], lut, words, p, lp)
+                n[j + 3] = np.int64(s) + low[j + 3]
+                j += 4
+            xs[0], xs[1], xs[2], xs[3] = x0, x1, x2, x3
+            while j < D:
+                i = j % STATES
+                s, xs[i], p = _base_symbol(xs[i], rows[j], lut, words, p, lp)
+                n[j] = np.int64(s) + low[j]
+                j += 1
+            pos[0] = p
+            for r in range(1, R):
+                mr, p, lr, o = m[r], pos[r], last[r], r * STATES
+                x0, x1, x2, x3 = xs[o], xs[o + 1], xs[o + 2], xs[o + 3]
+                a = _U(r * D)
+                e = a + mr
+                while a + _U(4) <= e:
+                    x0, p = _refinement(a, x0, lanes, n, cut, ent, words, p, lr)
+                    x1, p = _refinement(a + _U(1), x1, lanes, n, cut, ent, words, p, lr)
+                    x2, p = _refinement(a + _U(2), x2, lanes, n, cut, ent, words, p, lr)
+                    x3, p = _refinement(a + _U(3), x3, lanes, n, cut, ent, words, p, lr)
+                    a += _U(4)
+                if a < e:
+                    x0, p = _refinement(a, x0, lanes, n, cut, ent, words, p, lr)
+                if a + _U(1) < e:
+                    x1, p = _refinement(a + _U(1), x1, lanes, n, cut, ent, words, p, lr)
+                if a + _U(2) < e:
+                    x2, p = _refinement(a + _U(2), x2, lanes, n, cut, ent, words, p, lr)
+                xs[o], xs[o + 1], xs[o + 2], xs[o + 3] = x0, x1, x2, x3
+                pos[r] = p
+            for d in range(D):
+                out[g, t, d] = mu[d] + np.float32(n[d]) * scale[d]
+        ok = True
+        for r in range(R):
+            if pos[r] != _U(wend[r, g]):
+                ok = False
+            for i in range(STATES):
+                if xs[r * STATES + i] != _UL:
+                    ok = False
         status[g] = 0 if ok else 1
 
 
 def decode(
-    k: int, words: list[np.ndarray], word_start: np.ndarray, states: np.ndarray, lut: np.ndarray,
-    mean: np.ndarray, fine: np.ndarray, depth: np.ndarray, lo: np.ndarray,
-    base_tid: np.ndarray, refine_tid: np.ndarray, out: np.ndarray,
+    k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
+    lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray, depth: np.ndarray,
+    lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, out: np.ndarray,
 ) -> None:  # fmt: skip
-    """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32); the arguments as
-    :func:`encode` takes and returns them, ``lut`` the packed decode tables. Raises
-    :class:`RansError` naming the first group whose stream did not end where it should
-    (values were written)."""
+    """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32).
+
+    ``words``: 16-bit words holding every stream (at least one word, so that an empty
+    stream's clamped read stays inside); group ``g``'s stream of tier ``r`` is
+    ``words[wbeg[r, g]:wend[r, g]]`` (``[R, G]`` each, within ``words``), its states
+    ``states [R, G, STATES]``; ``lut`` the packed decode tables ``[n, 4096]``, ``cum``
+    the tables' starts (:func:`~kvcdn.kernels.rans.cumulative`); the rest as
+    :func:`encode` takes them. Raises :class:`RansError` naming the first group
+    whose stream did not end where it should (values were written)."""
     G = out.shape[0]
-    R = k + 1
-    width = max(1, max(len(w) for w in words[:R]))
-    stacked = np.zeros((R, width), dtype=np.uint16)
-    for r in range(R):
-        stacked[r, : len(words[r])] = words[r]
+    if not len(words) or np.any(wbeg > wend) or np.any(wend > len(words)) or np.any(wbeg < 0):
+        raise ValueError("stream bounds outside the words")
     depth = np.ascontiguousarray(depth, dtype=np.int64)
     status = np.zeros(G, dtype=np.int64)
     parallel.run(
-        _decode, G, k, stacked, np.ascontiguousarray(word_start, dtype=np.int64),
-        np.ascontiguousarray(states, dtype=np.uint32), lut,
+        _decode, G, k, words, np.ascontiguousarray(wbeg, dtype=np.int64),
+        np.ascontiguousarray(wend, dtype=np.int64),
+        np.ascontiguousarray(states, dtype=np.uint32), lut.reshape(-1),
+        np.ascontiguousarray(cum, dtype=np.uint32),
         np.ascontiguousarray(mean, dtype=np.float32), np.ascontiguousarray(fine, dtype=np.float32),
         np.ascontiguousarray(depth[-1]), depth, np.ascontiguousarray(lo, dtype=np.int64),
         np.ascontiguousarray(base_tid, dtype=np.int64),

@@ -111,6 +111,7 @@ class CodecProfile:
     _bytes: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _sha256: str | None = field(default=None, init=False, repr=False, compare=False)
     _decode_tables: Any = field(default=None, init=False, repr=False, compare=False)
+    _table_starts: Any = field(default=None, init=False, repr=False, compare=False)
     _per_level: dict[str, Any] = field(default_factory=dict, init=False, repr=False,
                                        compare=False)  # fmt: skip
 
@@ -118,7 +119,7 @@ class CodecProfile:
     def changed(self) -> None:
         """Forget what was derived from the fields (bytes, hash, kernel tables), after
         one was changed."""
-        self._bytes = self._sha256 = self._decode_tables = None
+        self._bytes = self._sha256 = self._decode_tables = self._table_starts = None
         self._per_level = {}
 
     def to_bytes(self) -> bytes:
@@ -149,6 +150,14 @@ class CodecProfile:
 
             self._decode_tables = build_decode_table(self.freqs)
         return self._decode_tables
+
+    def table_starts(self) -> np.ndarray:
+        """Each table's symbol starts ``[n_tables, 256]`` (uint32, built once)."""
+        if self._table_starts is None:
+            from kvcdn.kernels.rans import cumulative
+
+            self._table_starts = cumulative(self.freqs)
+        return self._table_starts
 
     def dequant(self, level: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(table_id, scale, offset), each ``[G, D]``: value = index * scale + offset."""

@@ -81,6 +81,19 @@ def test_every_tier_decodes_to_its_specified_values(profile, doc_kv, nested_obje
     _, out = decode_chunk(first, profile=profile, tiers=1)
     s = profile.sinks
     assert torch.equal(out[:, :, :, :s], doc_kv[:, :, :, :s].half().float())
+    # the same values into every kind of place: float16 (staged), a window of a larger
+    # float32 tensor (staged), a float32 tensor (written by the kernel itself)
+    for k in (0, 3, len(NESTED_TIERS) - 1):
+        _, whole = decode_chunk(first, profile=profile, tiers=k + 1)
+        assert np.array_equal(whole[:, :, :, s:].numpy().ravel(), _spec_values(
+            profile, doc_kv[:, :, :, :256], k).reshape(*whole.shape)[:, :, :, s:].ravel())
+        part = Part.whole(whole.shape[0], whole.shape[2], k + 1)
+        half = torch.empty(whole.shape, dtype=torch.float16)
+        decode_into(first, TensorDest(half), profile=profile, part=part)
+        assert torch.equal(half, whole.half())
+        wide = torch.zeros(*whole.shape[:3], 300, whole.shape[4])
+        decode_into(first, TensorDest(wide[:, :, :, 20:276]), profile=profile, part=part)
+        assert torch.equal(wide[:, :, :, 20:276], whole) and not wide[:, :, :, :20].any()
     index = parse_index(first)
     per_tier = len(index.lengths) // index.tiers
     assert index.tiers == len(NESTED_TIERS)

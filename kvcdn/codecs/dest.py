@@ -69,12 +69,30 @@ class TensorDest(ChunkDest):
     def write_fp16(self, bits: np.ndarray) -> None:
         import torch
 
+        if (values := self.float32_array()) is not None:  # no torch operation: see there
+            values[...] = bits.view(np.float16).reshape(values.shape)
+            return
         # a read-only buffer is copied once; torch.from_numpy refuses to share it
         values = torch.from_numpy(bits if bits.flags.writeable else bits.copy())
         self.tensor.copy_(values.view(torch.float16))
 
     def window(self, start: int, end: int) -> TensorDest:
         return TensorDest(self.tensor[:, :, :, start:end])
+
+    def float32_array(self) -> np.ndarray | None:
+        """The place as a float32 array ``[L * 2 * H, tokens, dim]`` a CPU kernel writes
+        straight, with no torch operation (whose OpenMP threads, spinning after it, would
+        take the cores from the kernel's threads); None where the tensor is not one (on
+        another device, another dtype, a window of a larger tensor)."""
+        import torch
+
+        t = self.tensor
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return None
+        try:
+            return t.view(-1, self.tokens, self.dim).numpy()
+        except RuntimeError:  # not viewable as one array
+            return None
 
 
 class BlocksDest(ChunkDest):

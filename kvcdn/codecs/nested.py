@@ -25,8 +25,9 @@ import numpy as np
 from kvcdn.errors import FormatError, InputError
 
 from . import Codec
-from .dest import ChunkDest
-from .rans import pack_section, parse_section
+from .dest import ChunkDest, TensorDest
+from .rans import SECTION_COUNTS as _COUNTS
+from .rans import pack_section
 
 if TYPE_CHECKING:
     import torch
@@ -113,29 +114,36 @@ class NestedCodec(Codec):
         assert profile is not None
         lp, hp = part.layer_count, part.head_count
         tokens, dim = header.shape[3], header.shape[4]
-        staged = np.empty((lp * 2 * hp, tokens, dim), dtype=np.float32)
-        s = st.sinks
-        staged[:, :s] = st.sink.astype(np.float32)
+        groups, s = lp * 2 * hp, st.sinks
+        if s:
+            dest.window(0, s).write_fp16(st.sink.view(np.uint16).reshape(lp, 2, hp, s, dim))
+        body = dest.float32_array() if isinstance(dest, TensorDest) else None
+        staged = np.empty((groups, tokens, dim), dtype=np.float32) if body is None else body
         mean, fine, depth, lo, _, base, refine = (a[..., st.gids, :] for a in
                                                   profile.nested_arrays())  # fmt: skip
         try:
-            nested.decode(st.k, st.words, st.word_start, st.states, profile.decode_tables(),
-                          mean, fine, depth, lo, base, refine, staged[:, s:])  # fmt: skip
+            nested.decode(st.k, st.words, st.wbeg, st.wend, st.states, profile.decode_tables(),
+                          profile.table_starts(), mean, fine, depth, lo, base, refine,
+                          staged[:, s:])  # fmt: skip
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
-        dest.write(torch.from_numpy(staged).view(lp, 2, hp, tokens, dim))
+        if body is None:
+            view = torch.from_numpy(staged).view(lp, 2, hp, tokens, dim)
+            dest.window(s, tokens).write(view[:, :, :, s:])
 
 
 @dataclass(frozen=True)
 class _Streams:
-    """The streams of a part's groups (layer, K/V, head) for tiers ``0..k``."""
+    """The streams of a part's groups (layer, K/V, head) for tiers ``0..k``, as views of
+    one buffer of the part's sections."""
 
     k: int
     sinks: int
     sink: np.ndarray  # float16 [groups, sinks, dim]
     states: np.ndarray  # [k + 1, groups, STATES]
-    words: list[np.ndarray]  # per tier
-    word_start: np.ndarray  # [k + 1, groups + 1]
+    words: np.ndarray  # uint16: every section, in tier order (plus one spare word)
+    wbeg: np.ndarray  # [k + 1, groups]: where each group's stream of each tier begins
+    wend: np.ndarray  # [k + 1, groups]: and ends
     gids: np.ndarray  # the groups' ids in the whole chunk
 
 
@@ -153,8 +161,9 @@ def _streams(
     header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
     profile: CodecProfile | None, name: str,
 ) -> _Streams:  # fmt: skip
-    """Every length of the part's sections checked against the header and the profile,
-    then their streams in the part's group order."""
+    """Every length of the part's sections checked against the header and the profile
+    (all sections at once: a part of a 70B chunk has thousands), then their streams
+    in the part's group order, as offsets into one copy of the sections."""
     from kvcdn.kernels.nested import STATES
 
     if profile is None or profile.nested is None:
@@ -172,44 +181,43 @@ def _streams(
     count = part.tier_count(tiers)
     if not part.fits(header.shape) or not 1 <= count <= tiers:
         raise FormatError(f"{name}: part {part} is not within this object")
-    ids = part.section_ids(layers, heads, tiers)
-    if any(i not in sections for i in ids):
-        raise FormatError(f"{name}: a section of {part} was not read")
-    order = [(lay_, kv, h) for lay_ in range(*part.layers) for kv in (0, 1)
-             for h in range(*part.heads)]  # fmt: skip
-    per_tier = layers * heads
-    sinks = None
-    sink_parts: dict[int, np.ndarray] = {}
-    states = np.empty((count, len(order), STATES), dtype=np.uint32)
-    words: list[np.ndarray] = []
-    word_start = np.zeros((count, len(order) + 1), dtype=np.int64)
-    for r in range(count):
-        parsed: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        for h in range(*part.heads):
-            for layer in range(*part.layers):
-                i = r * per_tier + h * layers + layer
-                s, st, sink, wk, wv = parse_section(sections[i], i, STATES, tokens, dim, name)
-                if r == 0 and sinks is None:
-                    sinks = s
-                if s != (sinks if r == 0 else 0):
-                    raise FormatError(f"{name}: section {i} keeps {s} exact tokens")
-                if max(len(wk), len(wv)) > (tokens - (sinks or 0)) * dim:
-                    raise FormatError(f"{name}: a stream of section {i} is longer than its "
-                                      "symbols allow")  # fmt: skip
-                if s:
-                    sink_parts[h * layers + layer] = sink
-                parsed[h * layers + layer] = (st, wk, wv)
-        picked = [(parsed[h * layers + lay_], kv) for lay_, kv, h in order]
-        states[r] = np.stack([p[0][kv] for p, kv in picked])
-        counts = np.array([len(p[1 + kv]) for p, kv in picked], dtype=np.int64)
-        np.cumsum(counts, out=word_start[r, 1:])
-        words.append(np.concatenate([p[1 + kv] for p, kv in picked]))
+    ids = part.section_ids(layers, heads, tiers)  # tier-major, then head, then layer
+    try:
+        raws = [sections[i] for i in ids]
+    except KeyError:
+        raise FormatError(f"{name}: a section of {part} was not read") from None
+    head_size = 3 * 4 + 8 * STATES
+    if any(len(raw) < head_size for raw in raws):
+        raise FormatError(f"{name}: a section of {part} is truncated")
+    counts = np.array([_COUNTS.unpack_from(raw) for raw in raws], dtype=np.int64)
+    lengths = np.array([len(raw) for raw in raws], dtype=np.int64)
+    per_tier = len(ids) // count
+    kept, nk, nv = counts.T
+    sinks = int(kept[0])
+    if sinks > tokens or np.any(kept[:per_tier] != sinks) or np.any(kept[per_tier:] != 0):
+        raise FormatError(f"{name}: its sections disagree on the exact tokens they keep")
+    if max(int(nk.max()), int(nv.max())) > (tokens - sinks) * dim:
+        raise FormatError(f"{name}: a stream of {part} is longer than its symbols allow")
+    body = head_size + 4 * kept * dim
+    if np.any(lengths != body + 2 * (nk + nv)):
+        bad = ids[int(np.flatnonzero(lengths != body + 2 * (nk + nv))[0])]
+        raise FormatError(f"{name}: section {bad}'s length is not what its counts say")
+    words = np.frombuffer(b"".join([*raws, b"\0\0"]), dtype="<u2")  # every length is even
+    first = np.zeros(len(raws), dtype=np.int64)  # each section's first word
+    np.cumsum(lengths[:-1] // 2, out=first[1:])
+    # the part's groups in order (layer, K/V, head), and each one's section in a tier
+    lp, hp = part.layer_count, part.head_count
+    layer, kv, head = (a.ravel() for a in np.meshgrid(np.arange(lp), np.arange(2),
+                                                      np.arange(hp), indexing="ij"))  # fmt: skip
+    sec = np.arange(count)[:, None] * per_tier + head * lp + layer  # [tiers, groups]
+    wbeg = first[sec] + body[sec] // 2 + kv * nk[sec]
+    wend = wbeg + np.where(kv == 1, nv[sec], nk[sec])
+    at = first[sec][..., None] + 6 + 2 * STATES * kv[:, None] + 2 * np.arange(STATES)
+    states = words[at].astype(np.uint32) | (words[at + 1].astype(np.uint32) << 16)
     if np.any(states < (1 << 16)):
         raise FormatError(f"{name}: a stream state is out of range")
-    sinks = sinks or 0
-    if sinks:
-        sink = np.stack([sink_parts[h * layers + lay_][kv] for lay_, kv, h in order])
-    else:
-        sink = np.empty((len(order), 0, dim), dtype="<f2")
-    gids = np.array([(lay_ * 2 + kv) * heads + h for lay_, kv, h in order], dtype=np.int64)
-    return _Streams(count - 1, sinks, sink, states, words, word_start, gids)
+    sink_at = first[sec[0]] + head_size // 2 + kv * sinks * dim
+    sink = words[sink_at[:, None] + np.arange(sinks * dim)].view("<f2")
+    gids = ((part.layers[0] + layer) * 2 + kv) * heads + part.heads[0] + head
+    sink = sink.reshape(len(gids), sinks, dim)
+    return _Streams(count - 1, sinks, sink, states, words, wbeg, wend, gids.astype(np.int64))

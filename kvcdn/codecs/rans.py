@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 _PREAMBLE = struct.Struct("<IIII")
 #: A version-2 section (one head of one layer: its K group, then its V group):
 #: u32 S, u32 words of K, u32 words of V; u32 states[2][D]; f16 sinks[2][S][D]; u16 words.
-_SECTION = struct.Struct("<III")
+SECTION_COUNTS = struct.Struct("<III")
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def pack_section(sinks: int, states: np.ndarray, sink: np.ndarray, words: np.nda
     ks, ke, vs, ve = (int(word_start[g + e]) for g in (k, v) for e in (0, 1))
     words = words.astype("<u2", copy=False)
     return b"".join((
-        _SECTION.pack(sinks, ke - ks, ve - vs),
+        SECTION_COUNTS.pack(sinks, ke - ks, ve - vs),
         states[[k, v]].astype("<u4").tobytes(), sink[[k, v]].astype("<f2").tobytes(),
         words[ks:ke].tobytes(), words[vs:ve].tobytes(),
     ))  # fmt: skip
@@ -270,14 +270,14 @@ def parse_section(
 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """:func:`pack_section` read back, every length checked before it is used: (S,
     states ``[2, lanes]``, sinks ``[2, S, D]``, K's words, V's words)."""
-    if len(raw) < _SECTION.size:
+    if len(raw) < SECTION_COUNTS.size:
         raise FormatError(f"{name}: section {i} is truncated")
-    s, nk, nv = _SECTION.unpack_from(raw, 0)
+    s, nk, nv = SECTION_COUNTS.unpack_from(raw, 0)
     if s > tokens:
         raise FormatError(f"{name}: section {i} keeps {s} exact tokens of {tokens}")
     if max(nk, nv) > (tokens - s) * dim:
         raise FormatError(f"{name}: a stream of section {i} is longer than its symbols allow")
-    off = _SECTION.size
+    off = SECTION_COUNTS.size
     expected = off + 8 * lanes + 4 * s * dim + 2 * (nk + nv)
     if len(raw) != expected:
         raise FormatError(f"{name}: section {i} is {len(raw)} bytes, its counts say {expected}")
