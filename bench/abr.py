@@ -19,6 +19,13 @@ trace at that offset (``POST /shaping``), with:
   else text), in the same pipeline;
 - ``oracle``: the planner with a predictor that knows the trace (the future
   bandwidth), with no error margin;
+- ``nested``: the same document published with the nested ladder (``--levels
+  nested``: one object a chunk, each level a prefix of its tiers), loaded as
+  ``kvcdn`` is, plus refinement: once every chunk has its level, chunks are
+  raised to better levels while the deadline allows, fetching only the tiers
+  they lack;
+- ``nested-base-first``: the nested publication, every chunk's base first
+  (:func:`kvcdn.sdk.planner.base_first`), then refinement;
 - each fixed level (every chunk at that level);
 - ``prefill``: recomputing the whole document (no network; once per trace).
 
@@ -47,7 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"
 QUESTION = "How do I use this command?"
 LEVELS = ("nearlossless", "high", "default", "low", "lowest")
-METHODS = ("kvcdn", "cachegen", "oracle", *LEVELS, "prefill")
+NESTED_METHODS = ("nested", "nested-base-first")
+METHODS = ("kvcdn", "cachegen", "oracle", *NESTED_METHODS, *LEVELS, "prefill")
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -174,10 +182,15 @@ def main() -> int:
             name, text = path.stem.replace("_", "-"), path.read_text()
         ids = model.document_ids(text)[: args.tokens]
         docs.append((name, model.tokenizer.decode(ids)))
+    nested = any(m in NESTED_METHODS for m in methods)
     for name, text in docs:
         with console.status(f"publishing {name}…"):
             publish(text=text, name=name, model=model, store=str(store))
-    manifests = {name: read_manifest(open_store(str(store)), name) for name, _ in docs}
+            if nested:  # the same document, the nested ladder
+                publish(text=text, name=f"{name}-nested", model=model, store=str(store),
+                        levels="nested")  # fmt: skip
+    names = [name for name, _ in docs] + [f"{name}-nested" for name, _ in docs if nested]
+    manifests = {name: read_manifest(open_store(str(store)), name) for name in names}
     scores = {name: quality_scores(m) for name, m in manifests.items()}
 
     runs: list[dict[str, Any]] = []
@@ -243,7 +256,7 @@ def main() -> int:
     )
     for col in (
         "method", "runs", "deadline met", "mean quality", "vs oracle", "TTFT p50 s", "p95 s",
-        "p99 s", "MB per load",
+        "p99 s", "MB per load", "refined", "dropped",
     ):  # fmt: skip
         table.add_column(col, justify="left" if col == "method" else "right")
     for method, s in summary.items():
@@ -257,6 +270,8 @@ def main() -> int:
             f"{s['ttft_p95_s']:.3f}",
             f"{s['ttft_p99_s']:.3f}",
             f"{s['mean_mb']:.1f}",
+            f"{s['refined_per_load']:.1f}",
+            str(s["refinements_dropped"]),
         )
     Console().print(table)
     result = {
@@ -292,7 +307,7 @@ def _run(
     from abr_baselines import LastSamplePredictor, cachegen_plan
 
     from kvcdn.sdk import forget_links, load_context
-    from kvcdn.sdk.planner import plan
+    from kvcdn.sdk.planner import base_first, plan
 
     _post(f"{url}/shaping", {"offset_s": offset})
     restarted = time.perf_counter()
@@ -314,6 +329,12 @@ def _run(
             "predictor": TraceOracle(trace, offset, restarted),
             "policy": plan,
         }
+    elif method in NESTED_METHODS:  # the SDK's defaults on the nested publication
+        forget_links()
+        name = f"{name}-nested"
+        kwargs = {"deadline_s": args.deadline}
+        if method == "nested-base-first":
+            kwargs["policy"] = base_first
     else:
         kwargs = {"quality": method}
     t = time.perf_counter()
@@ -335,6 +356,8 @@ def _run(
         "bytes": p.bytes,
         "levels": levels,
         "cancelled": p.cancelled,
+        "refined": p.refined,
+        "refinements_dropped": p.refinements_dropped,
         "feasible": p.feasible,
         "wall_s": time.perf_counter() - t,
     }
@@ -355,6 +378,8 @@ def _summarise(runs: list[dict[str, Any]], methods: list[str], deadline: float) 
             "ttft_p95_s": _percentile(ttfts, 95),
             "ttft_p99_s": _percentile(ttfts, 99),
             "mean_mb": statistics.fmean(r["bytes"] for r in mine) / 1e6,
+            "refined_per_load": statistics.fmean(r.get("refined", 0) for r in mine),
+            "refinements_dropped": sum(r.get("refinements_dropped", 0) for r in mine),
         }
     oracle = summary.get("oracle", {}).get("mean_quality") or 1.0
     for s in summary.values():

@@ -20,6 +20,7 @@ from .container import (
     FORMAT_VERSION,
     Body,
     ChunkHeader,
+    ChunkIndex,
     Part,
     pack,
     pack_sections,
@@ -219,8 +220,10 @@ class PartRead:
     header: ChunkHeader
     body: Body
     part: Part
-    nbytes: int  # bytes fetched: the index and the sections
+    nbytes: int  # bytes fetched: the index and the sections (by read_more: its sections)
     source: str  # what served the sections (an edge URL, "origin", a store's URL)
+    index: ChunkIndex | None = None  # the object's checked index (what read_more reads by)
+    key: str = ""  # the object's key
 
 
 def read_part(reader: Reader, ref: ObjectRef, part: Part | None, *, name: str,
@@ -248,7 +251,42 @@ def read_part(reader: Reader, ref: ObjectRef, part: Part | None, *, name: str,
         wanted = index.part_ids(part)
     except FormatError as exc:
         raise FormatError(f"{name}: {exc}") from None
-    nbytes = len(got.data)
+    sections, nbytes, source = _read_sections(reader, ref, index, wanted, name, fetch_options)
+    return PartRead(index.header, Body(2, sections=sections), part, len(got.data) + nbytes,
+                    source or got.source, index, ref.key)  # fmt: skip
+
+
+def read_more(reader: Reader, ref: ObjectRef, held: PartRead, *, name: str,
+              **fetch_options: Any) -> PartRead:  # fmt: skip
+    """``held`` (a part of a nested object, read at fewer tiers) refined to the tiers of
+    the level ``ref`` is for: only the sections ``held`` lacks are fetched, each checked
+    against the index ``held`` was read by; the result holds both (its ``nbytes``: the
+    bytes fetched now)."""
+    if held.index is None or ref.key != held.key or ref.tiers is None or ref.index is None:
+        raise InputError(f"{name}: a refinement needs a held part of the same nested object")
+    part = replace(held.part, tiers=ref.tiers.count)
+    if part.tier_count(held.index.tiers) <= held.part.tier_count(held.index.tiers):
+        raise InputError(f"{name}: level of {ref.tiers.count} tiers refines nothing held")
+    try:
+        wanted = [i for i in held.index.part_ids(part) if i not in held.body.sections]
+    except FormatError as exc:
+        raise FormatError(f"{name}: {exc}") from None
+    sections, nbytes, source = _read_sections(reader, ref, held.index, wanted, name,
+                                              fetch_options)  # fmt: skip
+    assert held.body.sections is not None
+    merged = {**held.body.sections, **sections}
+    return PartRead(held.header, Body(2, sections=merged), part, nbytes, source or held.source,
+                    held.index, held.key)  # fmt: skip
+
+
+def _read_sections(
+    reader: Reader, ref: ObjectRef, index: ChunkIndex, wanted: list[int], name: str,
+    fetch_options: dict[str, Any],
+) -> tuple[dict[int, memoryview], int, str]:  # fmt: skip
+    """Sections ``wanted`` of the object, fetched as runs of adjacent bytes, each
+    section checked against its sha256 in ``index``: (sections, bytes, the source of
+    the last run)."""
+    nbytes, source = 0, ""
     sections: dict[int, memoryview] = {}
     for start, end, ids in index.runs(wanted):
 
@@ -261,10 +299,11 @@ def read_part(reader: Reader, ref: ObjectRef, part: Part | None, *, name: str,
         got = reader.fetch(ObjectSpan(ref, start, end), check=run_holds, **fetch_options)
         view = memoryview(got.data)
         nbytes += len(got.data)
+        source = got.source
         for i in ids:
             at = index.offsets[i] - start
             sections[i] = view[at : at + index.lengths[i]]
-    return PartRead(index.header, Body(2, sections=sections), part, nbytes, got.source)
+    return sections, nbytes, source
 
 
 def decode_into(

@@ -332,6 +332,7 @@ def parse_profile(data: bytes, *, name: str = "codec profile") -> CodecProfile:
         )
     if not levels:
         raise bad("it defines no levels")
+    levels = {n: levels[n] for n in LADDER if n in levels}  # in ladder order, as calibrated
     if not np.all(np.isfinite(mean)):
         raise bad("mean has non-finite values")
     fingerprint = bad.str(meta.get("model_fingerprint"), "model_fingerprint")

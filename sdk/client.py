@@ -236,6 +236,7 @@ class Client:
         predictor: ThroughputPredictor | None = None,
         policy: Policy | None = None,
         cancel_late_fetches: bool = True,
+        refine: bool = True,
     ) -> Context:
         """Load a published document's KV into a model cache.
 
@@ -255,7 +256,10 @@ class Client:
         the planner (:func:`kvcdn.sdk.planner.plan`). ``cancel_late_fetches``:
         a fetch that can no longer make the deadline is abandoned and its chunk
         planned again (False for policies that never revisit a choice, such as
-        CacheGen's controller).
+        CacheGen's controller). ``refine``: with a deadline, once every chunk has
+        its level, chunks of nested objects (``--levels nested``) are raised to
+        better levels while the deadline allows, each fetching only the tiers it
+        lacks (``ctx.plan.refined``).
         """
         started = time.perf_counter()
         deadline_s = checks.deadline(deadline_s)
@@ -264,6 +268,7 @@ class Client:
         predictor = checks.predictor(predictor)
         policy = checks.policy(policy)
         cancel_late_fetches = checks.flag(cancel_late_fetches, "cancel_late_fetches")
+        refine = checks.flag(refine, "refine")
         load = _Loading(self)
         clock = _Clock(started, deadline_s)
 
@@ -294,7 +299,8 @@ class Client:
                 predictor.initial_bps = timed.throughput_bound(INITIAL_BPS)
         target = CacheTarget(loaded, manifest.token_count)
         plan_ = load.into(target, manifest, loaded, quality, deadline_s, started, seconds,
-                          predictor, policy, cancel_late_fetches=cancel_late_fetches)  # fmt: skip
+                          predictor, policy, cancel_late_fetches=cancel_late_fetches,
+                          refine=refine)  # fmt: skip
         return Context(manifest, loaded, target.cache(), plan_)
 
     def load_contexts(
@@ -492,12 +498,13 @@ class _Loading:
         policy: Policy | None,
         *,
         cancel_late_fetches: bool = True,
+        refine: bool = True,
     ) -> LoadPlan:
         caches = self.client._caches
         return load_into(
             target, manifest, loaded, self.reader, quality=quality, deadline_s=deadline_s,
             started=started, seconds=seconds, predictor=predictor, policy=policy or plan,
-            cancel_late_fetches=cancel_late_fetches, profiles=caches.profiles,
+            cancel_late_fetches=cancel_late_fetches, refine=refine, profiles=caches.profiles,
             speeds=caches.speeds, rejected_since=self._rejected_before,
         )  # fmt: skip
 
@@ -546,6 +553,7 @@ def load_context(
     policy: Policy | None = None,
     cancel_late_fetches: bool = True,
     trust: TrustPolicy | str | Path | None = None,
+    refine: bool = True,
 ) -> Context:
     """:meth:`Client.load_context` on a client for ``store``/``edges``/``trust`` that
     shares the default client's models and measurements. Keep one
@@ -557,7 +565,7 @@ def load_context(
     ) as client:  # fmt: skip
         return client.load_context(
             source, model=model, quality=quality, deadline_s=deadline_s, predictor=predictor,
-            policy=policy, cancel_late_fetches=cancel_late_fetches,
+            policy=policy, cancel_late_fetches=cancel_late_fetches, refine=refine,
         )  # fmt: skip
 
 

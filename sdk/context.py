@@ -43,6 +43,11 @@ class LoadPlan:
     feasible: bool = True
     replans: int = 0
     cancelled: int = 0  # fetches abandoned because they could no longer make the deadline
+    #: Loaded chunks raised to a better level by fetching their nested objects' further
+    #: tiers (each chunk's ``refined_from`` says from what); and refinements started but
+    #: dropped (not in by the deadline, or failed: the chunk kept its level).
+    refined: int = 0
+    refinements_dropped: int = 0
     #: Who signed the manifest (``Signer.to_json()``), or None when it is unsigned.
     signed_by: dict[str, Any] | None = None
     #: Edges that served bytes failing verification during the load (each was skipped).

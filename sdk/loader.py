@@ -312,6 +312,7 @@ def load_into(
     predictor: ThroughputPredictor,
     policy: Policy,
     cancel_late_fetches: bool = True,
+    refine: bool = True,
     profiles: ProfileCache,
     speeds: DeviceSpeeds,
     rejected_since: int | None = None,
@@ -363,6 +364,7 @@ def load_into(
         concurrency=2 if deadline_at is not None else 4,
         cancel_late_fetches=cancel_late_fetches,
         failed_levels=failed,
+        refine=refine,
     )
     pipeline = Pipeline(manifest, target, reader, profile, speed, predictor, policy, options,
                         AppLoad(loaded, allow_text=quality == AUTO))  # fmt: skip
@@ -410,6 +412,8 @@ def _report(
         feasible=result.feasible,
         replans=result.replans,
         cancelled=result.cancelled,
+        refined=result.refined,
+        refinements_dropped=result.refinements_dropped,
         signed_by=manifest.signer.to_json() if manifest.signer else None,
         rejected=[str(r) for r in rejected[rejected_since:]],
     )

@@ -262,6 +262,27 @@ def plan(
     return Plan(chosen, finish, finish <= deadline_s)
 
 
+def base_first(
+    chunks: Sequence[ChunkChoice],
+    predictor: ThroughputPredictor,
+    deadline_s: float | None,
+    busy: Busy = IDLE,
+) -> Plan:
+    """Every chunk at its smallest stored level (of a nested object: its base), for the
+    load's refinements to raise while the deadline allows: the whole document is in
+    early, and a link that turns slow costs quality, not the deadline. Where even that
+    misses the deadline, :func:`plan`'s choice."""
+    chosen = {}
+    for c in chunks:
+        fetched = [o for o in c.options if o.level != TEXT]
+        chosen[c.index] = min(fetched, key=lambda o: (o.bytes, -o.quality)) if fetched else (
+            _best_fetched(c))  # fmt: skip
+    finish = estimate(chunks, chosen, predictor, busy)
+    if deadline_s is not None and finish > deadline_s:
+        return plan(chunks, predictor, deadline_s, busy)
+    return Plan(chosen, finish, True)
+
+
 def _text_first(
     chunks: Sequence[ChunkChoice],
     chosen: dict[int, Option],
@@ -319,3 +340,46 @@ def estimate(
     if link_bytes:  # the fetches in flight must arrive too, even if nothing follows them
         device_free = max(device_free, predictor.predict_seconds(link_bytes))
     return device_free
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """Raising a loaded chunk to a better level of its nested object: ``bytes`` more to
+    fetch (the tiers it lacks), ``device_s`` to decode the chunk again at ``to``, and
+    ``gain``, the quality it adds (weighted by the chunk's tokens)."""
+
+    index: int
+    to: Option
+    bytes: int
+    device_s: float
+    gain: float
+
+
+def next_refinement(
+    candidates: Sequence[Refinement],
+    predictor: ThroughputPredictor,
+    deadline_s: float | None,
+    busy: Busy = IDLE,
+) -> Refinement | None:
+    """The refinement to start now, or None: of those predicted to be fetched and decoded
+    within ``deadline_s`` seconds after the work under way (``busy``), the one that
+    adds the most quality per second it takes. A refinement runs after every chunk has
+    its level, so it can delay nothing but itself; one predicted not to fit is not
+    started, so no fetched byte is thrown away unless the link falls short of even the
+    predictor's cautious estimate (then the controller cancels it at the deadline and
+    the chunk keeps the level it has)."""
+    if deadline_s is None:
+        return None
+    best: tuple[float, Refinement] | None = None
+    for r in candidates:
+        if r.gain <= 0:
+            continue
+        link_s = predictor.predict_seconds(busy.link_bytes + r.bytes)
+        finish = max(link_s, busy.device_s) + r.device_s
+        if finish > deadline_s:
+            continue
+        own_s = predictor.predict_seconds(r.bytes) + r.device_s
+        score = r.gain / max(own_s, 1e-9)
+        if best is None or score > best[0]:
+            best = (score, r)
+    return None if best is None else best[1]

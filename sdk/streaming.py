@@ -34,14 +34,25 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
-from kvcdn.codec import PartRead, decode_into, read_part
+from kvcdn.codec import PartRead, decode_into, read_more, read_part
+from kvcdn.codecs import TensorDest
 from kvcdn.errors import DeadlineExceeded, FormatError, KvcdnError, NotFound, TrustError
 from kvcdn.manifest import ChunkEntry, Manifest
 from kvcdn.models import LoadedModel
 from kvcdn.store import Cancel, FetchCancelled, Reader
 
 from .devspeed import DeviceSpeed
-from .planner import TEXT, Busy, ChunkChoice, Option, Plan, Policy, ThroughputPredictor
+from .planner import (
+    TEXT,
+    Busy,
+    ChunkChoice,
+    Option,
+    Plan,
+    Policy,
+    Refinement,
+    ThroughputPredictor,
+    next_refinement,
+)
 from .targets import KVTarget
 
 if TYPE_CHECKING:
@@ -73,8 +84,12 @@ class ChunkReport:
     quality: float = 1.0  # the level's quality score (1.0: exact)
     abandoned: list[str] = field(default_factory=list)  # levels whose fetch was cancelled
     #: "level: why" for each level whose object could not be used (missing, damaged,
-    #: unreachable, late): the chunk was loaded another way.
+    #: unreachable, late): the chunk was loaded another way (or, where a refinement to
+    #: that level failed, kept the level it held).
     failed: list[str] = field(default_factory=list)
+    #: The levels it held before refinements raised it to ``level``, in order (a
+    #: nested object's further tiers, fetched once it was loaded).
+    refined_from: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +100,8 @@ class PipelineResult:
     replans: int
     cancelled: int
     loaded_chunks: int  # the first loaded_chunks chunks of the range are in the target
+    refined: int = 0  # refinements that raised a loaded chunk's level
+    refinements_dropped: int = 0  # refinements started but not finished (late, failed)
 
 
 class _State(Enum):
@@ -113,6 +130,13 @@ class _Chunk:
     abandoned: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     unusable: set[str] = field(default_factory=set)  # levels that failed for this chunk
+    # refinement (a loaded chunk of a nested object raised to a better level)
+    held: PartRead | None = None  # its read, kept while a refinement may extend it
+    refining: Option | None = None  # the level a refinement under way brings it to
+    refine_cancel: Cancel | None = None
+    refine_read: PartRead | None = None  # the refinement's read, once fetched
+    refine_stage: str = ""  # "fetching", "fetched" (waiting for the device), "decoding"
+    refined_from: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -134,6 +158,18 @@ class _DeviceDone:
 
 
 @dataclass(frozen=True)
+class _RefineEvent:
+    """A refinement of ``chunk``: its fetch ended (``seconds`` None) or its decode did;
+    ``error`` set where it failed (the chunk keeps the level it has)."""
+
+    chunk: _Chunk
+    cancel: Cancel  # the refinement's own: news of one dropped earlier is ignored
+    seconds: float | None = None
+    error: BaseException | None = None
+    read: PartRead | None = None  # what the fetch read
+
+
+@dataclass(frozen=True)
 class _Failed:
     """Work on ``chunk`` raised ``error`` (its fetch number ``attempt``, or its device
     work when None); the controller plans the chunk again, or raises it."""
@@ -143,7 +179,7 @@ class _Failed:
     attempt: int | None = None
 
 
-_Event = _Fetched | _DeviceDone | _Failed
+_Event = _Fetched | _DeviceDone | _Failed | _RefineEvent
 
 
 def failure_reason(error: KvcdnError, key: str = "") -> str:
@@ -223,6 +259,9 @@ class LoadOptions:
     #: planned again (False for policies that never revisit a choice).
     cancel_late_fetches: bool = True
     failed_levels: Mapping[str, str] = field(default_factory=dict)  # unusable: level -> why
+    #: With a deadline, once every chunk has its level, raise chunks of nested objects
+    #: to better levels (fetching only the tiers they lack) while the deadline allows.
+    refine: bool = True
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -316,6 +355,10 @@ class Pipeline:
         self._device_task: tuple[float, float] | None = None  # (started, predicted seconds)
         self.replans = 0
         self.cancelled = 0
+        self.refined = 0
+        self.refinements_dropped = 0
+        self.refine = options.refine and options.deadline_at is not None
+        self._refining: _Chunk | None = None  # one refinement at a time, fetch to decode
         self._t0 = 0.0
 
     # ---- the model of what is left ---------------------------------------------
@@ -436,19 +479,21 @@ class Pipeline:
                     quality=c.option.quality,
                     abandoned=c.abandoned,
                     failed=c.failed,
+                    refined_from=c.refined_from,
                 )
             )
         loaded = next(
             (i for i, c in enumerate(self.chunks) if c.state is not _State.DONE), len(self.chunks)
         )
-        return PipelineResult(
-            reports, first.predicted_s, first.feasible, self.replans, self.cancelled, loaded
-        )
+        return PipelineResult(reports, first.predicted_s, first.feasible, self.replans,
+                              self.cancelled, loaded, self.refined,
+                              self.refinements_dropped)  # fmt: skip
 
     def _loop(self, device: ThreadPoolExecutor) -> None:
         device_busy = False
         last_cancel = 0.0
-        while any(c.state not in (_State.DONE, _State.SKIPPED) for c in self.chunks):
+        while self.refine or any(c.state not in (_State.DONE, _State.SKIPPED)
+                                 for c in self.chunks):  # fmt: skip
             now = time.perf_counter()
             give_up_at = self.mode.give_up_at
             if give_up_at is not None and now > give_up_at:
@@ -471,11 +516,23 @@ class Pipeline:
             # give the device work: decode what has arrived, else the next text chunk
             if not device_busy:
                 device_busy = self._start_device(device, now)
+            if self.refine:
+                self._refine_step(now)
+                if self._refining is None and all(
+                    c.state in (_State.DONE, _State.SKIPPED) for c in self.chunks
+                ):
+                    break  # nothing more to load, nothing more worth refining
             try:
                 event = self.events.get(timeout=TICK_S)
             except queue.Empty:
                 event = None
             now = time.perf_counter()
+            if isinstance(event, _RefineEvent):
+                if event.seconds is not None:
+                    device_busy = False
+                    self._device_task = None
+                self._refine_event(event, now)
+                continue
             if event is None:
                 self.meter.tick(now, any(c.state is _State.FETCHING for c in self.chunks))
                 if self.cancel_late_fetches and now - last_cancel > 2 * TICK_S:
@@ -516,6 +573,8 @@ class Pipeline:
                 device_busy = False
                 self._learn_device(chunk, event.seconds)
                 chunk.state = _State.DONE
+                if self.refine and isinstance(chunk.data, PartRead) and chunk.data.index:
+                    chunk.held = chunk.data if chunk.data.index.tiers > 1 else None
                 chunk.data = b""
                 chunk.ready_s = now - self._t0
                 self._device_task = None
@@ -607,6 +666,13 @@ class Pipeline:
             ready.state = _State.DEVICE
             self._device_task = (now, ready.option.device_s)
             pool.submit(self._device_work, ready, self._decode)
+            return True
+        r = self._refining
+        if r is not None and r.refine_stage == "fetched" and r.refine_read is not None:
+            read, r.refine_read, r.refine_stage = r.refine_read, None, "decoding"
+            assert r.refining is not None
+            self._device_task = (now, r.refining.device_s)
+            pool.submit(self._refine_decode, r, read)
             return True
         first = next(
             (c for c in self.chunks if c.state not in (_State.DONE, _State.SKIPPED)), None
@@ -710,3 +776,137 @@ class Pipeline:
                 self.cancelled += 1
                 return True
         return False
+
+    # ---- refinement ------------------------------------------------------------
+    def _refine_step(self, now: float) -> None:
+        """Once no chunk is left to fetch, start the refinement worth most per second
+        that fits the deadline; cancel one under way that can no longer make it."""
+        r = self._refining
+        if r is not None:
+            deadline_at = self.options.deadline_at
+            assert deadline_at is not None and r.refine_cancel is not None
+            if now > deadline_at and r.refine_stage == "fetching":
+                # still fetching at the deadline: the chunk keeps its level
+                self._drop_refinement(r, "not in by the deadline")
+            return
+        if any(c.state in (_State.PENDING, _State.FETCHING) for c in self.chunks):
+            return  # the first pass owns the link
+        remaining = self._remaining_s(now)
+        give_up_at = self.mode.give_up_at
+        if remaining is None or (give_up_at is not None and now >= give_up_at):
+            return
+        if give_up_at is not None:
+            remaining = min(remaining, give_up_at - now)
+        chosen = next_refinement(self._refinements(), self.predictor, remaining, self._busy(now))
+        if chosen is not None:
+            self._start_refine(self.chunks[chosen.index - self.chunks[0].entry.index], chosen,
+                               now)  # fmt: skip
+
+    def _refinements(self) -> list[Refinement]:
+        """Every level a loaded chunk of a nested object could be raised to: its object's
+        further tiers, bytes and decode time at the part's share."""
+        out = []
+        for c in self.chunks:
+            if c.state is not _State.DONE or c.held is None or c.option is None:
+                continue
+            have = c.entry.objects[c.option.level]
+            assert have.tiers is not None and have.index is not None
+            tokens = c.entry.end - c.entry.start
+            for name in self.options.levels:
+                ref = c.entry.objects.get(name)
+                quality = self.options.quality_of.get(name, 0.0)
+                if (ref is None or name in c.unusable or ref.key != have.key or ref.tiers is None
+                        or ref.tiers.count <= have.tiers.count or quality <= c.option.quality):
+                    continue  # fmt: skip
+                extra = round((ref.level_bytes - have.level_bytes) * self.share)
+                decode_s = (self.speed.decode_seconds(self.manifest.levels[name].id, tokens)
+                            * self.share * self.decode_factor)  # fmt: skip
+                to = Option(name, c.option.bytes + extra, quality, decode_s)
+                out.append(Refinement(c.entry.index, to, extra, decode_s,
+                                      (quality - c.option.quality) * tokens))  # fmt: skip
+        return out
+
+    def _start_refine(self, c: _Chunk, chosen: Refinement, now: float) -> None:
+        assert c.held is not None and self.options.deadline_at is not None
+        held = c.held
+        ref = c.entry.objects[chosen.to.level]
+        cancel = Cancel()
+        # the fetch ends, at the latest, when its decode could no longer make the deadline
+        cancel.limit(time.monotonic() + self.options.deadline_at - chosen.device_s
+                     - time.perf_counter())  # fmt: skip
+        c.refining, c.refine_cancel, c.refine_read = chosen.to, cancel, None
+        c.refine_stage = "fetching"
+        self._refining = c
+        log.debug("chunk %d: refining %s to %s (%d bytes)", c.entry.index, c.option and
+                  c.option.level, chosen.to.level, chosen.bytes)  # fmt: skip
+
+        def on_bytes(n: int) -> None:
+            self.meter.add(n)
+
+        def work() -> None:
+            try:
+                read = read_more(self.reader, ref, held, name=f"object {ref.key}",
+                                 placement=self.placement, on_bytes=on_bytes,
+                                 cancel=cancel)  # fmt: skip
+                self.events.put(_RefineEvent(c, cancel, read=read))
+            except BaseException as exc:
+                self.events.put(_RefineEvent(c, cancel, error=exc))
+
+        self.meter.start(now)
+        threading.Thread(target=work, name="kvcdn-refine", daemon=True).start()
+
+    def _refine_decode(self, c: _Chunk, read: PartRead) -> None:
+        """The refined read decoded apart, then written over the chunk's KV: a refinement
+        that fails leaves the chunk as it was."""
+        import torch
+
+        started = time.perf_counter()
+        assert c.refine_cancel is not None
+        cancel = c.refine_cancel
+        try:
+            ref = c.entry.objects[c.refining.level if c.refining else ""]
+            staged = torch.empty(read.part.shape(read.header.shape), dtype=torch.float32)
+            decode_into(read, TensorDest(staged), name=f"object {ref.key}", profile=self.profile,
+                        verified=True, chunk_hash=c.entry.hash, part=read.part)  # fmt: skip
+            self.target.chunk(c.entry.start, c.entry.end).write(staged)
+            self.target.commit(c.entry.start, c.entry.end)
+            if self.mode.device.startswith("cuda"):
+                torch.cuda.synchronize(torch.device(self.mode.device))
+        except BaseException as exc:
+            self.events.put(_RefineEvent(c, cancel, time.perf_counter() - started, exc))
+            return
+        c.held = read
+        self.events.put(_RefineEvent(c, cancel, time.perf_counter() - started))
+
+    def _refine_event(self, event: _RefineEvent, now: float) -> None:
+        c = event.chunk
+        if c is not self._refining or c.refining is None or event.cancel is not c.refine_cancel:
+            return  # a refinement dropped earlier
+        if event.error is not None:
+            if not isinstance(event.error, KvcdnError):
+                raise event.error
+            self._drop_refinement(c, failure_reason(event.error, c.entry.objects[
+                c.refining.level].key))  # fmt: skip
+            return
+        if event.seconds is None:  # fetched: the device decodes it when free
+            self.meter.tick(now, False)
+            c.refine_read, c.refine_stage = event.read, "fetched"
+            return
+        assert c.option is not None
+        c.refined_from.append(c.option.level)
+        assert c.held is not None
+        c.part_bytes += c.held.nbytes  # what the refinement fetched
+        c.option, c.refining, c.refine_stage, self._refining = c.refining, None, "", None
+        c.ready_s = now - self._t0
+        self.refined += 1
+
+    def _drop_refinement(self, c: _Chunk, why: str) -> None:
+        assert c.refining is not None
+        log.info("chunk %d of %s: refinement to %s dropped (%s); it keeps %s", c.entry.index,
+                 self.manifest.ref, c.refining.level, why, c.option and c.option.level)  # fmt: skip
+        c.unusable.add(c.refining.level)
+        c.failed.append(f"{c.refining.level}: {why}")
+        if c.refine_cancel is not None:
+            c.refine_cancel.set()
+        c.refining, c.refine_read, c.refine_stage, self._refining = None, None, "", None
+        self.refinements_dropped += 1

@@ -233,6 +233,8 @@ def test_a_nested_publication_is_one_object_a_chunk_and_each_level_reads_its_tie
         # tier above the level's was served
         assert overhead[1] == overhead[2] < 64 << 10
         assert overhead[0] - overhead[1] in (0, manifest.codec_profile.bytes)
+        _refinements_fetch_only_the_tiers_they_lack(model, profile, store, manifest, edge,
+                                                    overhead[1])  # fmt: skip
     finally:
         edge.kill()
     # a refinement damaged in the store: the levels that read it lose that chunk (it is
@@ -241,6 +243,7 @@ def test_a_nested_publication_is_one_object_a_chunk_and_each_level_reads_its_tie
     ref = victim.objects["default"]
     path = root / ref.key
     raw = bytearray(path.read_bytes())
+    original = bytes(raw)
     index = parse_index(bytes(raw))
     section = 3 * 90 + 17  # tier 3 (default), head 0, layer 17
     raw[index.offsets[section] + 8] ^= 0x01
@@ -251,6 +254,49 @@ def test_a_nested_publication_is_one_object_a_chunk_and_each_level_reads_its_tie
     assert ctx.plan.chunk_levels.count("default") == len(chunks) - 1
     ctx = load_context("sed-nested", model=model, store=str(root), quality="low")
     assert ctx.plan.chunk_levels == ["low"] * len(chunks)
+    # refining into the damaged tier fails its check before use: that chunk keeps the
+    # level it holds (what its intact tiers decode to), the others are raised past it
+    from kvcdn.models import kv_from_cache
+    from kvcdn.sdk.planner import base_first
+
+    ctx = load_context("sed-nested", model=model, store=str(root), deadline_s=60,
+                       policy=base_first)  # fmt: skip
+    report = ctx.plan.chunks[2]
+    assert report.level in NESTED_TIERS[:3] and ctx.plan.refinements_dropped >= 1
+    assert "section" in " ".join(report.failed)
+    held = victim.objects[report.level]
+    _, want = decode_chunk(original, profile=profile, tiers=held.tiers.count)
+    assert torch.equal(kv_from_cache(ctx.cache)[:, :, :, victim.start : victim.end], want)
+    assert ctx.plan.chunk_levels.count(NESTED_TIERS[-1]) == len(chunks) - 1
+
+
+def _refinements_fetch_only_the_tiers_they_lack(model, profile, store, manifest, edge,
+                                                overhead: int) -> None:  # fmt: skip
+    """Base first, then refinement: every chunk loads its base, then refinements raise
+    chunks while the deadline allows, each fetching only the tiers the chunk lacks. A
+    chunk ends holding exactly what a direct read of its final level decodes to, and
+    the edge served each chunk's index and tiers once."""
+    from kvcdn.models import kv_from_cache
+    from kvcdn.sdk import load_context
+    from kvcdn.sdk.planner import base_first
+
+    chunks = manifest.chunks
+    before = edge.metrics()["kvcdn_edge_bytes_served_total"]
+    ctx = load_context("sed-nested", model=model, edges=[edge.url], deadline_s=60,
+                       policy=base_first)  # fmt: skip
+    served = edge.metrics()["kvcdn_edge_bytes_served_total"] - before
+    plan = ctx.plan
+    assert plan.refined >= len(chunks) and plan.refinements_dropped == 0
+    kv = kv_from_cache(ctx.cache)
+    for report, c in zip(plan.chunks, chunks, strict=True):
+        assert report.refined_from[:1] == [NESTED_TIERS[0]]  # its base came first
+        order = [NESTED_TIERS.index(lv) for lv in [*report.refined_from, report.level]]
+        assert order == sorted(set(order))  # each refinement raised it
+        ref = c.objects[report.level]
+        assert report.bytes == ref.tiers.bytes  # the index and tiers 0..k, each once
+        _, want = decode_chunk(store.get(ref), profile=profile, tiers=ref.tiers.count)
+        assert torch.equal(kv[:, :, :, c.start : c.end], want.to(kv.dtype))
+    assert served - sum(r.bytes for r in plan.chunks) == overhead
 
 
 def _hostile_tiers_are_refused(manifest) -> None:

@@ -14,6 +14,9 @@ from kvcdn.sdk.planner import (
     ChunkChoice,
     HarmonicPredictor,
     Option,
+    Refinement,
+    base_first,
+    next_refinement,
     plan,
 )
 
@@ -233,3 +236,31 @@ def test_a_new_link_starts_from_the_prior_unless_the_manifest_shows_it_is_slower
     assert timed.throughput_bound(prior) == pytest.approx(30_000 / 0.034)
     timed.reads = [(90, 0.004)]  # nothing large enough to say anything
     assert timed.throughput_bound(prior) == prior
+
+
+def test_base_first_takes_every_chunk_s_smallest_level_unless_that_misses() -> None:
+    cs = chunks(4)
+    link = FixedLink(100e6)
+    p = base_first(cs, link, deadline_s=1.0)
+    assert [p.choices[c.index].level for c in cs] == ["lowest"] * 4 and p.feasible
+    # the bases alone miss: the planner's own choice (text first, where it helps)
+    slow = FixedLink(1e6)
+    assert base_first(cs, slow, deadline_s=2.0).choices == plan(cs, slow, 2.0).choices
+
+
+def test_a_refinement_is_started_only_where_it_fits_and_gains_most_per_second() -> None:
+    link = FixedLink(10e6)
+    best = Option("nearlossless", 0, 0.986, 0.01)
+    mid = Option("default", 0, 0.960, 0.01)
+    small = Refinement(0, mid, 1_000_000, 0.01, 0.039 * 256)  # 0.11 s
+    large = Refinement(0, best, 3_000_000, 0.01, 0.065 * 256)  # 0.31 s
+    assert next_refinement([small, large], link, deadline_s=1.0) is small  # more gain a second
+    assert next_refinement([large], link, deadline_s=1.0) is large
+    assert next_refinement([large], link, deadline_s=0.3) is None  # would finish late
+    assert next_refinement([small, large], link, deadline_s=None) is None  # no deadline
+    # work under way comes first: a busy device or link leaves less time
+    assert next_refinement([small], link, 0.5, Busy(device_s=0.45)) is small  # overlaps
+    assert next_refinement([small], link, 0.5, Busy(device_s=0.495)) is None
+    assert next_refinement([small], link, 0.5, Busy(link_bytes=4_000_000)) is None
+    assert next_refinement([small], link, 0.5, Busy(link_bytes=3_000_000)) is small
+    assert next_refinement([Refinement(0, mid, 10, 0.0, 0.0)], link, 1.0) is None  # no gain
