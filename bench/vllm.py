@@ -2,6 +2,7 @@
 
     python bench/vllm.py [--tokens 2048,4000] [--repeats 3] [--rates 125M,25M] [--json OUT]
     python bench/vllm.py --parallel [--tokens 4000,16000] [--repeats 3] [--json OUT]
+    python bench/vllm.py --layered [--tokens 2048,4000] [--rates 125M,25M] [--json OUT]
 
 Documents: the first N tokens (chat framing included) of `man bash`, published
 once by kvcdn (transformers, fp32) at fp16, nearlossless, default and lowest to
@@ -30,6 +31,11 @@ its document's lookup not yet cached):
 Bytes moved: per request, the stored bytes of the chunks a fixed level loads
 (from the manifest), the edge's bytes served for auto, ExampleConnector's file
 sizes. Prints a table and the target ratios; writes every figure as JSON.
+
+``--layered``: synchronous loads (``load_mode`` sync) whole before the forward pass
+(``layer_groups`` 1) against layer-ordered beside it (4 groups, the default), each in
+its own engine, local and through an edge at each ``--rates``, at fp16 and default:
+TTFT (median of ``--repeats``) and the ratio whole / layer-ordered.
 
 ``--parallel``: engines whose workers split the model, each against its own prefill.
 The model is the tests' 4-layer random-weight Llama with 4 KV heads
@@ -163,6 +169,8 @@ def main() -> None:
                         help="vLLM's block size (a divisor of kvcdn's 256-token chunks; a load "
                         "ends on a block boundary, so smaller blocks leave vLLM fewer tokens)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--layered", action="store_true",
+                        help="synchronous loads whole against layer-ordered (layer_groups 4)")
     parser.add_argument("--parallel", action="store_true",
                         help="TP=2 and PP=2 engines against TP=1 (a random-weight model)")
     parser.add_argument("--child")
@@ -173,43 +181,10 @@ def main() -> None:
     if args.parallel:
         parallel(args)
         return
-
-    from kvcdn.catalog import read_manifest
-    from kvcdn.models import load_model, model_folder, user_message
-    from kvcdn.publish import publish
-    from kvcdn.store import open_store
-
-    work = Path(tempfile.mkdtemp(prefix="kvcdn-bench-vllm-"))
-    log = work / "engines.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": str(work / "vc"),
-           "TORCHINDUCTOR_CACHE_DIR": str(work / "ind"), "VLLM_LOGGING_LEVEL": "WARNING",
-           "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # fmt: skip
-    model = load_model(None, "cpu")
-    folder = model_folder(None)
-    store = work / "store"
-    from codecbench.documents import render_man  # bench/ is this script's folder
-
-    rendered_bash = render_man("bash", 0, work)
-    if rendered_bash is None:
-        raise SystemExit("this benchmark needs `man bash` (Debian: apt-get install man-db bash)")
-    bash = rendered_bash.read_text()
-    docs: dict[str, list[int]] = {}
-    manifests = {}
-    for n in [int(t) for t in args.tokens.split(",")]:
-        text = _cut(model, bash, n)
-        name = f"bash-{n}"
-        publish(text=text, name=name, model=model, store=str(store), levels=LEVELS)
-        manifests[name] = read_manifest(open_store(str(store), create=False), name)
-        rendered = model.tokenizer.apply_chat_template(
-            [user_message(text, QUESTION)], tokenize=False, add_generation_prompt=True)
-        docs[name] = list(model.tokenizer(rendered, add_special_tokens=False).input_ids)
-        print(f"{name}: {manifests[name].token_count} published tokens, prompt {len(docs[name])}",
-              flush=True)  # fmt: skip
-    kvcdn_transfer = {
-        "kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn.sdk.vllm",
-        "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store": str(store), "model": "smollm2-135m"},
-    }  # fmt: skip
+    work, log, env, folder, store, docs, manifests, kvcdn_transfer = _setup(args)
+    if args.layered:
+        layered(args, work, log, env, folder, store, docs, kvcdn_transfer)
+        return
     results: list[dict] = []
     print("engine: prefill and kvcdn local", flush=True)
     results += [dict(r, config="local") for r in _run_child({
@@ -255,6 +230,102 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _setup(args: Any) -> tuple[Path, Path, dict[str, str], str, Path, dict[str, list[int]],
+                              dict, dict]:  # fmt: skip
+    """The documents published to a local folder, their prompts, and the engines'
+    environment and connector configuration."""
+    from kvcdn.catalog import read_manifest
+    from kvcdn.models import load_model, model_folder, user_message
+    from kvcdn.publish import publish
+    from kvcdn.store import open_store
+
+    work = Path(tempfile.mkdtemp(prefix="kvcdn-bench-vllm-"))
+    log = work / "engines.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CACHE_ROOT": str(work / "vc"),
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "ind"), "VLLM_LOGGING_LEVEL": "WARNING",
+           "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # fmt: skip
+    model = load_model(None, "cpu")
+    folder = model_folder(None)
+    store = work / "store"
+    from codecbench.documents import render_man  # bench/ is this script's folder
+
+    rendered_bash = render_man("bash", 0, work)
+    if rendered_bash is None:
+        raise SystemExit("this benchmark needs `man bash` (Debian: apt-get install man-db bash)")
+    bash = rendered_bash.read_text()
+    docs: dict[str, list[int]] = {}
+    manifests = {}
+    for n in [int(t) for t in args.tokens.split(",")]:
+        text = _cut(model, bash, n)
+        name = f"bash-{n}"
+        publish(text=text, name=name, model=model, store=str(store), levels=LEVELS)
+        manifests[name] = read_manifest(open_store(str(store), create=False), name)
+        rendered = model.tokenizer.apply_chat_template(
+            [user_message(text, QUESTION)], tokenize=False, add_generation_prompt=True)
+        docs[name] = list(model.tokenizer(rendered, add_special_tokens=False).input_ids)
+        print(f"{name}: {manifests[name].token_count} published tokens, prompt {len(docs[name])}",
+              flush=True)  # fmt: skip
+    kvcdn_transfer = {
+        "kv_connector": "KvcdnConnector", "kv_connector_module_path": "kvcdn.sdk.vllm",
+        "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": str(store), "model": "smollm2-135m"},
+    }  # fmt: skip
+    return work, log, env, folder, store, docs, manifests, kvcdn_transfer
+
+
+def layered(args: Any, work: Path, log: Path, env: dict[str, str], folder: str, store: Path,
+            docs: dict[str, list[int]], kvcdn_transfer: dict) -> None:
+    """Synchronous loads whole before the forward pass (``layer_groups`` 1) against
+    layer-ordered beside it (4 groups), local and through edges at each rate."""
+    results: list[dict] = []
+    for rate in ["local", *args.rates.split(",")]:
+        edge = None
+        if rate != "local":
+            edge, edge_url = _start_edge(store, work / f"edge-{rate}", log, env,
+                                         "--rate-limit", rate)  # fmt: skip
+        try:
+            for groups, name in ((1, "whole"), (4, "layer-ordered")):
+                transfer = json.loads(json.dumps(kvcdn_transfer))
+                extra = transfer["kv_connector_extra_config"]
+                extra.update(load_mode="sync", layer_groups=groups)
+                if edge is not None:
+                    extra["edges"] = [edge_url]
+                plan = [(f"{name} {rate} {lv}", {"kvcdn_quality": lv})
+                        for lv in ("fp16", "default")]  # fmt: skip
+                print(f"engine: {name} loads, {rate}", flush=True)
+                results += [dict(r, config=f"{name} {rate}") for r in _run_child({
+                    "folder": folder, "block_size": args.block_size, "transfer": transfer,
+                    "edge": edge_url if edge is not None else None,
+                    "requests": _requests(docs, plan, args.repeats),
+                }, env, log)]  # fmt: skip
+        finally:
+            if edge is not None:
+                edge.terminate()
+                edge.wait(timeout=30)
+    rows = []
+    for doc in docs:
+        for rate in ["local", *args.rates.split(",")]:
+            for lv in ("fp16", "default"):
+                t = {}
+                for name in ("whole", "layer-ordered"):
+                    runs = [r["seconds"] for r in results if r["doc"] == doc
+                            and r["label"] == f"{name} {rate} {lv}"]  # fmt: skip
+                    t[name] = statistics.median(runs)
+                rows.append({"doc": doc, "link": rate, "level": lv, "whole_ttft_s": t["whole"],
+                             "layered_ttft_s": t["layer-ordered"],
+                             "whole / layered": t["whole"] / t["layer-ordered"]})  # fmt: skip
+    print(f"\n{'document':<10} {'link':<6} {'level':<8} {'whole s':>8} {'layered s':>10} "
+          f"{'whole/layered':>14}")  # fmt: skip
+    for r in rows:
+        print(f"{r['doc']:<10} {r['link']:<6} {r['level']:<8} {r['whole_ttft_s']:>8.3f} "
+              f"{r['layered_ttft_s']:>10.3f} {r['whole / layered']:>13.2f}x")  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "runs": results}, indent=1))
         print(f"wrote {args.json}")
     shutil.rmtree(work, ignore_errors=True)
 

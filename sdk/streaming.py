@@ -785,9 +785,12 @@ class Pipeline:
         if r is not None:
             deadline_at = self.options.deadline_at
             assert deadline_at is not None and r.refine_cancel is not None
+            assert r.refining is not None
             if now > deadline_at and r.refine_stage == "fetching":
                 # still fetching at the deadline: the chunk keeps its level
                 self._drop_refinement(r, "not in by the deadline")
+            elif r.refine_stage == "fetched" and now + r.refining.device_s > deadline_at:
+                self._drop_refinement(r, "no time left to decode it")  # the device was busy
             return
         if any(c.state in (_State.PENDING, _State.FETCHING) for c in self.chunks):
             return  # the first pass owns the link

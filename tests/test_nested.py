@@ -9,6 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvcdn.codec import (
     decode_chunk,
@@ -163,6 +165,40 @@ def test_a_damaged_refinement_is_caught_and_the_tiers_below_still_load(
     decode_chunk(evil, profile=profile, tiers=3)
     with pytest.raises(FormatError, match="does not end where it should|out of range"):
         decode_chunk(evil, profile=profile, tiers=4)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_publisher_s_hostile_sections_are_refused_or_decode_to_their_shape(
+    profile, nested_object, data
+) -> None:
+    """Sections whose checksums are right but whose contents a hostile publisher chose
+    (counts, states, words, sinks changed, sections cut or grown): every tier is refused
+    with a FormatError or decodes to the chunk's shape; nothing reads outside them (the
+    kernels run without bounds checks: what the parser lets through must be safe)."""
+    header, body = unpack(nested_object)
+    sections = [bytes(body.sections[i]) for i in range(len(body.sections))]
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(sections) - 1))
+        raw = bytearray(sections[i])
+        edit = data.draw(st.sampled_from(["byte", "count", "cut", "grow"]))
+        if edit == "byte":
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        elif edit == "count":  # S, words of K or words of V
+            at = 4 * data.draw(st.integers(0, 2))
+            raw[at : at + 4] = data.draw(st.integers(0, 2**32 - 1)).to_bytes(4, "little")
+        elif edit == "cut":
+            del raw[data.draw(st.integers(0, len(raw) - 1)) :]
+        else:
+            raw += bytes(data.draw(st.integers(1, 64)))
+        sections[i] = bytes(raw)
+    hostile = pack_sections(header, sections)
+    tiers = data.draw(st.integers(1, len(NESTED_TIERS)))
+    try:
+        _, out = decode_chunk(hostile, profile=profile, tiers=tiers)
+    except FormatError:
+        return
+    assert tuple(out.shape) == header.shape
 
 
 def test_nested_objects_refuse_what_does_not_fit(profile, nested_object) -> None:

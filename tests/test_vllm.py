@@ -132,8 +132,9 @@ def engine(tmp_path_factory, store_dir, model):
     from kvcdn.models import model_folder
 
     extra = {"store": str(store_dir), "model": "smollm2-135m", "lookup_ttl_s": 0}
+    # INFO: kvcdn's line for each layer-ordered load is checked
     with _engine(tmp_path_factory.mktemp("vllm-engine"), model_folder("smollm2-135m"),
-                 extra) as engine:  # fmt: skip
+                 extra, env={"VLLM_LOGGING_LEVEL": "INFO"}) as engine:  # fmt: skip
         yield engine
 
 
@@ -166,6 +167,8 @@ def _published_tokens(model) -> int:
 def test_fp16_load_answers_as_vllms_own_prefill(engine, model, sed_prompt, baseline, mode):
     """Loaded synchronously (``auto`` for a local folder) or not, the whole blocks (256
     tokens here) the prompt shares with the document."""
+    layered = "loaded in 4 layer groups"
+    before = engine.log.read_text().count(layered)
     out = engine.ask(sed_prompt, kvcdn_quality="fp16", kvcdn_load_mode=mode)
     shared = _published_tokens(model) - 1  # the document's last token merges with the question
     claimed = shared // 256 * 256
@@ -178,6 +181,8 @@ def test_fp16_load_answers_as_vllms_own_prefill(engine, model, sed_prompt, basel
     }  # fmt: skip
     assert out["token_ids"] == baseline["token_ids"]
     assert len(out["token_ids"]) == 32
+    # a synchronous load ran in layer groups beside the forward pass, which waited for each
+    assert engine.log.read_text().count(layered) == before + (mode != "async")
 
 
 def _kl(p_logprobs: dict[str, float], q_logprobs: dict[str, float]) -> float:
@@ -259,8 +264,10 @@ def test_corrupted_object_is_recomputed_by_vllm(
     # chunk 0 loaded; vLLM was told the rest failed, and computed it
     outcome = out["kv_transfer_params"]["kvcdn"]
     assert (outcome["mode"], outcome["loaded_tokens"]) == (mode, 256)
+    # a whole read checks the object's sha256; a layer-ordered (part) read each section's
     said = [line for line in engine.log.read_text().splitlines()
-            if "does not match the size and sha256 its manifest records" in line]  # fmt: skip
+            if "does not match the size and sha256 its manifest records" in line
+            or "fails its checksum" in line]  # fmt: skip
     assert said and all(VLLM_LINE.match(line) for line in said), said  # as vLLM's own lines
     _answers_as_vllm(out, baseline)
     _prefix_cache_holds_the_right_kv(engine, sed_prompt, baseline)
@@ -475,6 +482,8 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
         ({"chunk_tokens": 8}, "chunk_tokens"),
         ({"store": 5}, "store"),
         ({"load_mode": "fast"}, "load_mode must be one of auto, sync, async"),
+        ({"layer_groups": 0}, "layer_groups must be an integer from 1"),
+        ({"layer_groups": 2.5}, "layer_groups must be an integer from 1"),
     ],
 )
 def test_connector_configuration_mistakes_are_named(extra, problem):

@@ -53,6 +53,9 @@ class ConnectorConfig:
     lookup_ttl_s: float = 30.0  # a lookup's answer (found or not) is reused this long
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the chunk size documents were published with
     capture_dir: str | None = None  # producer: where captured prompt KV is written
+    #: A synchronous load of sectioned objects runs in this many groups of layers, in
+    #: layer order, beside the forward pass, which waits per layer (1: whole, before it).
+    layer_groups: int = 4
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -83,6 +86,8 @@ class ConnectorConfig:
                 raise KvcdnError(f"{key} must be a positive number of seconds")
         if type(config.chunk_tokens) is not int or config.chunk_tokens < 16:
             raise KvcdnError("chunk_tokens must be an integer of at least 16")
+        if type(config.layer_groups) is not int or not 1 <= config.layer_groups <= 1024:
+            raise KvcdnError("layer_groups must be an integer from 1 to 1024")
         return config
 
 

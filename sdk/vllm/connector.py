@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from .config import ConnectorSetup
+from .config import ConnectorConfig, ConnectorSetup
 from .metadata import KvcdnMetadata
 from .scheduler import KvcdnScheduler
 from .worker import KvcdnWorker
@@ -87,8 +87,18 @@ class KvcdnConnector(KVConnectorBase_V1):
         if meta is not None:
             self.worker.start_load_kv(meta)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-ordered loads wait in ``wait_for_layer_load``, which a captured CUDA graph
+        would skip: they need PIECEWISE graphs wherever a load may be synchronous (only
+        those are layer-ordered): ``load_mode: async`` or ``layer_groups: 1`` keep
+        vLLM's full graphs."""
+        groups = extra_config.get("layer_groups", ConnectorConfig.layer_groups)
+        return extra_config.get("load_mode", "auto") != "async" and groups != 1
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a synchronous load is whole before the forward starts (start_load_kv)
+        assert self.worker is not None
+        self.worker.wait_for_layer_load(layer_name)  # a layer-ordered load's layer is in
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:  # fmt: skip

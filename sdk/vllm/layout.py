@@ -3,6 +3,7 @@ them and reads a prompt's back, and the KV target a load decodes into."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -118,6 +119,19 @@ class PagedLayout:
                 rans_numba.warm_up_permuted(into)
         except Exception as exc:  # only a first load's speed depends on it
             log.info("kvcdn: warming the decoder up failed: %s", exc)
+
+    def layers(self, first: int, end: int) -> PagedLayout:
+        """The same caches, of this worker's layers ``[first, end)`` only (counted from its
+        first): what a layer-ordered load fills one group at a time."""
+        if not 0 <= first < end <= len(self.caches):
+            raise ValueError(f"layers {first}..{end} are not within {len(self.caches)}")
+        sub = copy.copy(self)
+        sub.caches = {layer - first: self.caches[layer] for layer in range(first, end)}
+        if self._rows is not None:
+            sub._rows = self._rows[first:end]
+        l0 = self.part.layers[0]
+        sub.part = Part((l0 + first, l0 + end), self.part.heads)
+        return sub
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size

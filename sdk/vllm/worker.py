@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -48,6 +50,7 @@ class KvcdnWorker:
         self._predictor = HarmonicPredictor()
         self._prefill = _PrefillTimer()
         self._told: tuple[float | None, str | None] = (None, None)
+        self._layered: list[_LayeredLoad] = []  # this step's layer-ordered loads
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         identity = self.setup.identity
@@ -72,9 +75,15 @@ class KvcdnWorker:
 
     def start_load_kv(self, meta: KvcdnMetadata) -> None:
         for spec in meta.loads:
-            if spec.sync:  # vLLM reads its failed blocks after this step's forward
+            if spec.sync and (groups := self._layer_groups(spec)):
+                # in layer order beside the forward pass, which waits per layer
+                layered = _LayeredLoad(spec, groups)
+                self._layered.append(layered)
+                threading.Thread(target=self._load_layered, args=(layered,),
+                                 name="kvcdn-layered-load", daemon=True).start()  # fmt: skip
+            elif spec.sync:  # vLLM reads its failed blocks after this step's forward
                 with self._prefill.paused():
-                    self._failed_now |= self._load(spec)
+                    self._failed_now |= self._load(spec, self._writer, spec.deadline_s)
             elif self._writer is None:
                 self._finish(spec.req_id, spec.unfilled(spec.start, self.block_size))
             else:
@@ -83,32 +92,108 @@ class KvcdnWorker:
                 self._load_pool.submit(self._load_async, spec)
 
     def _load_async(self, spec: LoadSpec) -> None:
-        failed = self._load(spec)
+        failed = self._load(spec, self._writer, spec.deadline_s)
         with self._done_lock:
             self._in_flight -= 1
         self._finish(spec.req_id, failed)
 
-    def _load(self, spec: LoadSpec) -> set[int]:
-        """Load ``spec``; the ids of the blocks it did not fill."""
+    def _layer_groups(self, spec: LoadSpec) -> list[tuple[int, int]]:
+        """The groups of this worker's layers a synchronous load of ``spec`` runs in, in
+        order; none where it loads whole (one group asked for, or objects that cannot
+        be read a layer at a time: version 1)."""
+        groups = self.setup.config.layer_groups
+        if self._writer is None or groups <= 1:
+            return []
+        chunk = self.setup.config.chunk_tokens
+        first, end = spec.start // chunk, -(-spec.end // chunk)
+        if any(ref.index is None for c in spec.manifest.chunks[first:end]
+               for ref in c.objects.values()):  # fmt: skip
+            return []
+        layers = len(self._writer.caches)
+        bounds = [layers * g // groups for g in range(min(groups, layers) + 1)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    def _load_layered(self, layered: _LayeredLoad) -> None:
+        """Each group of layers in turn, each within its share of the deadline: the
+        forward pass starts on the first layers while later ones are read."""
+        spec = layered.spec
+        assert self._writer is not None
+        started = time.perf_counter()
+        try:
+            for g, (first, end) in enumerate(layered.groups):
+                deadline_s = None
+                if spec.deadline_s is not None:  # group g is due at its share of the time
+                    due = started + spec.deadline_s * (g + 1) / len(layered.groups)
+                    deadline_s = max(due - time.perf_counter(), 1e-3)
+                if spec.end > spec.start:
+                    failed = self._load(spec, self._writer.layers(first, end), deadline_s)
+                    layered.failed |= failed
+                    # what a group left out, vLLM computes for every layer: the later
+                    # groups stop where it stopped
+                    spec = replace(spec, end=spec.loaded_to(failed, self.block_size))
+                layered.advance(end)
+        except BaseException as exc:  # never leave the forward pass waiting
+            log.error("kvcdn: layer-ordered load of request %s failed: %s", spec.req_id, exc)
+            layered.failed |= spec.unfilled(spec.start, self.block_size)
+        finally:
+            layered.finish()
+        log.info("kvcdn: request %s: loaded in %d layer groups in %.3f s, beside the forward "
+                 "pass", spec.req_id, len(layered.groups),
+                 time.perf_counter() - started)  # fmt: skip
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before this step's forward pass computes ``layer_name``'s attention: wait until
+        the step's layer-ordered loads hold that layer."""
+        if not self._layered or self._writer is None:
+            return
+        m = re.search(r"layers\.(\d+)\.", layer_name)
+        if m is None:
+            return
+        local = int(m.group(1)) - self._writer.part.layers[0]
+        with self._prefill.paused():
+            for layered in self._layered:
+                layered.wait(local)
+                layered.waited = max(layered.waited, local)
+
+    def _collect_layered(self) -> None:
+        """After the forward pass: every layer-ordered load of the step has ended (the
+        last layer waited for it); their unfilled blocks go to vLLM as failed."""
+        for layered in self._layered:
+            layered.wait(None)
+            self._failed_now |= layered.failed
+            if layered.waited < layered.groups[-1][1] - 1:
+                # the forward pass did not wait for every layer (a path of vLLM that
+                # skips the hook): what it read may not have been loaded yet, so vLLM
+                # computes every claimed block again
+                log.warning("kvcdn: request %s: vLLM's forward did not wait for the "
+                            "layer-ordered load; its blocks are recomputed",
+                            layered.spec.req_id)  # fmt: skip
+                self._failed_now |= layered.spec.unfilled(layered.spec.start, self.block_size)
+        self._layered = []
+
+    def _load(self, spec: LoadSpec, writer: PagedLayout | None,
+              deadline_s: float | None) -> set[int]:  # fmt: skip
+        """Load ``spec`` into ``writer``'s layers (the worker's, or a group of them) within
+        ``deadline_s``; the ids of the blocks it did not fill."""
         identity = self.setup.identity
-        if self._writer is None or identity is None:
+        if writer is None or identity is None:
             return spec.unfilled(spec.start, self.block_size)
         loaded_to = spec.start
         try:
             chunk = self.setup.config.chunk_tokens
             first_chunk = spec.start // chunk
             result = load_prefix_into(
-                PagedTarget(self._writer, spec),
+                PagedTarget(writer, spec),
                 spec.manifest,
                 self.setup.reader(),
                 chunks=(first_chunk, -(-spec.end // chunk)),
                 quality=spec.quality,
-                device=self._writer.device,
+                device=writer.device,
                 predictor=self._predictor,
                 policy=plan,
                 profiles=self._profiles,
                 fingerprint=identity.fingerprint,
-                deadline_s=spec.deadline_s,
+                deadline_s=deadline_s,
             )
             loaded_to = min(spec.end, (first_chunk + result.loaded_chunks) * chunk)
         except Exception as exc:
@@ -138,6 +223,7 @@ class KvcdnWorker:
                 log.error("kvcdn: capturing request %s failed: %s", spec.req_id, exc)
 
     def get_finished(self, meta: KvcdnMetadata | None) -> tuple[set[str] | None, set[str] | None]:
+        self._collect_layered()
         idle = meta is not None and meta.idle
         self._prefill.stop()
         with self._done_lock:
@@ -149,6 +235,7 @@ class KvcdnWorker:
         return None, (set(done) or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._collect_layered()
         failed, self._failed_now = self._failed_now, set()
         return failed
 
@@ -162,6 +249,36 @@ class KvcdnWorker:
 
     def shutdown(self) -> None:
         self._load_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _LayeredLoad:
+    """A synchronous load run in groups of layers: how far it has come, for the forward
+    pass to wait on, and the blocks any group left unfilled."""
+
+    def __init__(self, spec: LoadSpec, groups: list[tuple[int, int]]) -> None:
+        self.spec = spec
+        self.groups = groups
+        self.failed: set[int] = set()
+        self.waited = -1  # the last layer the forward pass waited for
+        self._loaded = 0  # the worker's layers [0, loaded) are in (or given up)
+        self._ended = False
+        self._cond = threading.Condition()
+
+    def advance(self, layers: int) -> None:
+        with self._cond:
+            self._loaded = layers
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def wait(self, layer: int | None) -> None:
+        """Until ``layer`` is in (None: until the whole load has ended)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ended or (layer is not None
+                                                          and layer < self._loaded))  # fmt: skip
 
 
 def _tensor_parallel_rank() -> tuple[int, int]:
