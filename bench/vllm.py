@@ -33,7 +33,7 @@ Bytes moved: per request, the stored bytes of the chunks a fixed level loads
 sizes. Prints a table and the target ratios; writes every figure as JSON.
 
 ``--layered``: synchronous loads (``load_mode`` sync) whole before the forward pass
-(``layer_groups`` 1) against layer-ordered beside it (4 groups, the default), each in
+(``layer_groups`` 1, the default) against layer-ordered beside it (4 groups), each in
 its own engine, local and through an edge at each ``--rates``, at fp16 and default:
 TTFT (median of ``--repeats``) and the ratio whole / layer-ordered.
 

@@ -454,9 +454,11 @@ def warm_up(device: str = "cpu", dtype: Any = None, dim: int = 64) -> None:
     key = (str(torch.device(device).type), str(dtype))
     with _warm_lock:
         if ("cpu", "") not in _warmed:
+            from kvcdn.kernels import nested as nested_kernels
             from kvcdn.kernels import rans_numba
 
             rans_numba.warm_up()
+            nested_kernels.warm_up()
             _warmed.add(("cpu", ""))  # the compiled kernels are the process's
         if key[0] == "cuda" and key not in _warmed and rans.triton_available():
             from kvcdn.kernels import rans_triton

@@ -131,8 +131,10 @@ def _engine(tmp: Path, folder: str, extra: dict, **options):
 def engine(tmp_path_factory, store_dir, model):
     from kvcdn.models import model_folder
 
-    extra = {"store": str(store_dir), "model": "smollm2-135m", "lookup_ttl_s": 0}
-    # INFO: kvcdn's line for each layer-ordered load is checked
+    # synchronous loads in layer order (4 groups of the model's 30 layers), beside the
+    # forward pass; INFO: kvcdn's line for each layer-ordered load is checked
+    extra = {"store": str(store_dir), "model": "smollm2-135m", "lookup_ttl_s": 0,
+             "layer_groups": 4}  # fmt: skip
     with _engine(tmp_path_factory.mktemp("vllm-engine"), model_folder("smollm2-135m"),
                  extra, env={"VLLM_LOGGING_LEVEL": "INFO"}) as engine:  # fmt: skip
         yield engine

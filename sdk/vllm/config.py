@@ -54,8 +54,9 @@ class ConnectorConfig:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the chunk size documents were published with
     capture_dir: str | None = None  # producer: where captured prompt KV is written
     #: A synchronous load of sectioned objects runs in this many groups of layers, in
-    #: layer order, beside the forward pass, which waits per layer (1: whole, before it).
-    layer_groups: int = 4
+    #: layer order, beside the forward pass, which waits per layer (1: whole, before it;
+    #: docs/vllm.md says when more pays).
+    layer_groups: int = 1
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorConfig:
