@@ -27,7 +27,7 @@ from kvcdn.errors import FormatError, InputError
 from . import Codec
 from .dest import ChunkDest, TensorDest
 from .rans import SECTION_COUNTS as _COUNTS
-from .rans import pack_section
+from .rans import pack_sections_of
 
 if TYPE_CHECKING:
     import torch
@@ -88,11 +88,8 @@ class NestedCodec(Codec):
         out = []
         for r in range(len(spec.tiers)):
             s = sinks if r == 0 else 0  # the exact tokens are the base's
-            for h in range(heads):
-                for layer in range(layers):
-                    k, v = (layer * 2) * heads + h, (layer * 2 + 1) * heads + h
-                    out.append(pack_section(s, states[r], sink[:, :s], words[r],
-                                            word_start[r], k, v))  # fmt: skip
+            out += pack_sections_of(s, states[r], sink[:, :s], words[r], word_start[r],
+                                    layers, heads)  # fmt: skip
         return out
 
     def check_sections(

@@ -110,12 +110,7 @@ class RansCodec(Codec):
         one section per head and layer: its K and V groups' states, sinks and words."""
         _, sinks, sink, states, words, word_start = _code_groups(kv, params, profile, start)
         layers, _, heads = kv.shape[:3]
-        out = []
-        for h in range(heads):
-            for layer in range(layers):
-                k, v = (layer * 2) * heads + h, (layer * 2 + 1) * heads + h
-                out.append(pack_section(sinks, states, sink, words, word_start, k, v))
-        return out
+        return pack_sections_of(sinks, states, sink, words, word_start, layers, heads)
 
     def check_sections(
         self, header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
@@ -248,6 +243,15 @@ def _section_streams(
         sink = np.empty((len(picked), 0, dim), dtype="<f2")
     gids = np.array([(lay * 2 + kv) * heads + h for lay, kv, h in order], dtype=np.int64)
     return _Parts(level, len(picked), sinks, word_start, states, sink, words), gids
+
+
+def pack_sections_of(sinks: int, states: np.ndarray, sink: np.ndarray, words: np.ndarray,
+                     word_start: np.ndarray, layers: int, heads: int) -> list[bytes]:  # fmt: skip
+    """Every group's streams (groups ``[L, 2, H]`` in that order) as version-2 sections,
+    one per head and layer, head-major: :func:`pack_section` of each."""
+    return [pack_section(sinks, states, sink, words, word_start, (layer * 2) * heads + h,
+                         (layer * 2 + 1) * heads + h)
+            for h in range(heads) for layer in range(layers)]  # fmt: skip
 
 
 def pack_section(sinks: int, states: np.ndarray, sink: np.ndarray, words: np.ndarray,
