@@ -27,7 +27,7 @@ from kvcdn.errors import FormatError, InputError
 from . import Codec
 from .dest import ChunkDest, TensorDest
 from .rans import SECTION_COUNTS as _COUNTS
-from .rans import pack_sections_of
+from .rans import pack_sections_of, triton_available
 
 if TYPE_CHECKING:
     import torch
@@ -114,14 +114,31 @@ class NestedCodec(Codec):
         groups, s = lp * 2 * hp, st.sinks
         if s:
             dest.window(0, s).write_fp16(st.sink.view(np.uint16).reshape(lp, 2, hp, s, dim))
-        body = dest.float32_array() if isinstance(dest, TensorDest) else None
-        staged = np.empty((groups, tokens, dim), dtype=np.float32) if body is None else body
         mean, fine, depth, lo, _, base, refine = (a[..., st.gids, :] for a in
                                                   profile.nested_arrays())  # fmt: skip
+        args = (st.k, st.words, st.wbeg, st.wend, st.states, profile.decode_tables(),
+                profile.table_starts(), mean, fine, depth, lo, base, refine)  # fmt: skip
+        on_gpu = isinstance(dest, TensorDest) and dest.tensor.device.type == "cuda"
+        if on_gpu and triton_available():  # decoded on the device, into the tensor
+            from kvcdn.kernels import nested_triton
+
+            assert isinstance(dest, TensorDest)
+            t = dest.tensor
+            try:  # the tensor itself where its groups are one dimension, else staged there
+                whole = t.view(groups, tokens, dim)
+            except RuntimeError:
+                whole = torch.empty((groups, tokens, dim), dtype=t.dtype, device=t.device)
+            try:
+                nested_triton.decode(*args, whole[:, s:])
+            except RansError as exc:
+                raise FormatError(f"{name}: {exc}") from None
+            if whole.data_ptr() != t.data_ptr():
+                dest.window(s, tokens).write(whole.view(lp, 2, hp, tokens, dim)[:, :, :, s:])
+            return
+        body = dest.float32_array() if isinstance(dest, TensorDest) else None
+        staged = np.empty((groups, tokens, dim), dtype=np.float32) if body is None else body
         try:
-            nested.decode(st.k, st.words, st.wbeg, st.wend, st.states, profile.decode_tables(),
-                          profile.table_starts(), mean, fine, depth, lo, base, refine,
-                          staged[:, s:])  # fmt: skip
+            nested.decode(*args, staged[:, s:])
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
         if body is None:

@@ -1,0 +1,208 @@
+"""GPU decoder of the nested ladder's tiers (Triton): the contract and the bits of
+:func:`kvcdn.kernels.nested.decode`, into a torch tensor on the device.
+
+Design. One program decodes ``BLOCK_G`` groups; a group's ``STATES`` interleaved
+rANS states are one row of a ``[BLOCK_G, STATES]`` block, so a step decodes the next
+``STATES`` coded lanes of each group at once. Renormalising states take their words in
+lane order (an exclusive prefix sum along the row), as :mod:`kvcdn.kernels.rans_triton`
+does for its lanes.
+
+Tiers run one after another over the whole chunk (tier-major): the base's symbols of
+every token, then refinement 1's, ... Each tier's states then stay in registers for
+the whole tier, and a refinement reads its parent index from a scratch ``[G, T, D]`` of
+int32 that the tier below wrote (a barrier between tiers: a refinement lane reads an
+index another thread wrote). The CPU kernel goes token-major instead (its indices stay
+in cache); the symbols, and so the values, are the same.
+
+The values are written last, ``mean + float32(n) * scale`` with ``scale =
+float32(3 ** (top - depth[k])) * fine`` computed on the host as the CPU kernel does
+(both products exact, one rounding at the addition), then rounded to ``out``'s dtype as
+torch's ``.to`` does (bfloat16 by hand: the interpreter's cast truncates).
+
+Corrupt streams: a read at or past the end of a group's tier is not made (the state
+takes a zero word) and flags the group, as does a tier not ending where it should or a
+final state other than ``L``; :func:`decode` raises :class:`RansError` (one sync).
+
+Imports without Triton; :func:`available` says whether the GPU path can run, and
+``TRITON_INTERPRET=1`` (set before Triton is first imported) runs it on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .nested import STATES
+from .rans import PROB_BITS, PROB_SCALE, RANS_L, RansError
+from .rans_triton import available
+
+try:  # the module must import (and report unavailable) where Triton is missing
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+__all__ = ["available", "decode"]
+
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BLOCK_G = 8  # groups a program: 8 x 4 states is one warp's 32 lanes
+
+
+if triton is not None:
+
+    @triton.jit
+    def _renormalise(v, need, pos, end, words_ptr, bad):
+        """States ``v`` that fell below L take the next word of their group's stream,
+        in lane order; a read past the end is not made and flags the group."""
+        need_i = need.to(tl.int32)
+        idx = pos[:, None] + (tl.cumsum(need_i, axis=1) - need_i)
+        inside = idx < end[:, None]
+        w = tl.load(words_ptr + idx, mask=need & inside, other=0).to(tl.int32) & 0xFFFF
+        bad = bad | tl.max((need & (idx >= end[:, None])).to(tl.int32), axis=1)
+        return tl.where(need, (v << 16) | w.to(tl.uint32), v), pos + tl.sum(need_i, axis=1), bad
+
+    @triton.jit
+    def _decode_kernel(
+        words_ptr, wbeg_ptr, wend_ptr, states_ptr, lut_ptr, cum_ptr, lanes_ptr, m_ptr,
+        lo_ptr, base_ptr, refine_ptr, scale_ptr, mean_ptr, n_ptr, out_ptr, err_ptr,
+        K, G, T, D, CUM_STRIDE, stride_og, stride_ot, stride_od,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, N_STATES: tl.constexpr,
+        PROB_BITS_C: tl.constexpr, RANS_L_C: tl.constexpr, OUT_BF16: tl.constexpr,
+    ):  # fmt: skip
+        gv = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+        live_g = gv < G
+        g2 = gv[:, None]
+        lane = tl.arange(0, N_STATES)[None, :]
+        live = live_g[:, None] & (lane < N_STATES)
+        bad = tl.zeros([BLOCK_G], dtype=tl.int32)
+        slot_mask = (1 << PROB_BITS_C) - 1
+        scale_full = 1 << PROB_BITS_C
+
+        for r in range(K + 1):
+            x = tl.load(states_ptr + (r * G + g2) * N_STATES + lane, mask=live, other=RANS_L_C)
+            x = tl.cast(x, tl.uint32, bitcast=True)
+            pos = tl.load(wbeg_ptr + r * G + gv, mask=live_g, other=0)
+            end = tl.load(wend_ptr + r * G + gv, mask=live_g, other=0)
+            m1 = tl.load(m_ptr + r * G + gv, mask=live_g, other=0)
+            m = m1[:, None]
+            steps = tl.cdiv(tl.max(m1, axis=0), N_STATES)
+            for t in range(T):
+                for step in range(steps):
+                    q = step * N_STATES + lane
+                    act = live & (q < m)
+                    d = tl.load(lanes_ptr + (r * G + g2) * D + q, mask=act, other=0)
+                    at = (g2 * T + t) * D + d
+                    slot = x & slot_mask
+                    if r == 0:  # the base: a symbol of the lane's table, from the LUT
+                        tab = tl.load(base_ptr + g2 * D + d, mask=act, other=0).to(tl.int64)
+                        e = tl.load(lut_ptr + (tab << PROB_BITS_C) + slot, mask=act, other=0)
+                        e = tl.cast(e, tl.uint32, bitcast=True)
+                        v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS_C) + (e >> 20)
+                        low = tl.load(lo_ptr + g2 * D + d, mask=act, other=0)
+                        n = (e & 0xFF).to(tl.int32) + low
+                    else:  # a refinement: a ternary symbol, in context min(|parent|, 2)
+                        parent = tl.load(n_ptr + at, mask=act, other=0)
+                        a = tl.abs(parent)
+                        ctx = (a != 0).to(tl.int32) + (a > 1).to(tl.int32)
+                        tab = tl.load(refine_ptr + (((r - 1) * 3 + ctx) * G + g2) * D + d,
+                                      mask=act, other=0).to(tl.int64)  # fmt: skip
+                        c1 = tl.load(cum_ptr + tab * CUM_STRIDE + 1, mask=act, other=0)
+                        c2 = tl.load(cum_ptr + tab * CUM_STRIDE + 2, mask=act, other=0)
+                        c1 = tl.cast(c1, tl.uint32, bitcast=True)
+                        c2 = tl.cast(c2, tl.uint32, bitcast=True)
+                        s = (slot >= c1).to(tl.uint32) + (slot >= c2).to(tl.uint32)
+                        start = tl.where(s == 0, 0, tl.where(s == 1, c1, c2))
+                        freq = tl.where(s == 0, c1, tl.where(s == 1, c2 - c1, scale_full - c2))
+                        v = freq * (x >> PROB_BITS_C) + slot - start
+                        sign = tl.where(parent < 0, -1, 1)  # counted from the mean's side
+                        n = 3 * parent + (s.to(tl.int32) - 1) * sign
+                    tl.store(n_ptr + at, n, mask=act)
+                    v = tl.where(act, v, x)
+                    x, pos, bad = _renormalise(v, act & (v < RANS_L_C), pos, end, words_ptr, bad)
+            bad = bad | tl.max((live & (x != RANS_L_C)).to(tl.int32), axis=1)
+            bad = bad | (live_g & (pos != end)).to(tl.int32)
+            tl.debug_barrier()  # the next tier reads indices other threads wrote
+
+        dv = tl.arange(0, BLOCK_D)[None, :]
+        live_d = live_g[:, None] & (dv < D)
+        scale = tl.load(scale_ptr + g2 * D + dv, mask=live_d, other=0.0)
+        mean = tl.load(mean_ptr + g2 * D + dv, mask=live_d, other=0.0)
+        out_row = out_ptr + g2 * stride_og + dv * stride_od
+        for t in range(T):
+            n = tl.load(n_ptr + (g2 * T + t) * D + dv, mask=live_d, other=0)
+            val = n.to(tl.float32) * scale
+            val = val + mean
+            if OUT_BF16:  # round to nearest even by hand, NaN -> 0x7FC0 as torch does
+                b = tl.cast(val, tl.uint32, bitcast=True)
+                b = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+                h = tl.where(val != val, 0x7FC0, b).to(tl.uint16)
+                tl.store(out_row, tl.cast(h, tl.bfloat16, bitcast=True), mask=live_d)
+            else:
+                tl.store(out_row, val.to(out_ptr.dtype.element_ty), mask=live_d)
+            out_row += stride_ot
+        tl.store(err_ptr + gv, bad, mask=live_g)
+
+
+def coded_lanes(depth: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each tier's coded lanes per group, in order: ``lanes [k + 1, G, D]`` (the first
+    ``m[r, g]`` of a row are tier ``r``'s, every lane for the base) and ``m [k + 1, G]``."""
+    R, G, D = k + 1, depth.shape[1], depth.shape[2]
+    coded = np.ones((R, G, D), dtype=bool)
+    coded[1:] = depth[1:R] != depth[: R - 1]
+    lanes = np.argsort(~coded, axis=2, kind="stable").astype(np.int32)
+    return lanes, coded.sum(axis=2).astype(np.int32)
+
+
+def decode(
+    k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
+    lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray, depth: np.ndarray,
+    lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, out: torch.Tensor,
+) -> None:  # fmt: skip
+    """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32, float16 or
+    bfloat16, any strides, on the device the kernel runs on): the arguments of
+    :func:`kvcdn.kernels.nested.decode`, as numpy arrays, which this copies to
+    ``out``'s device. Raises :class:`RansError` on a corrupt stream (``out`` is then
+    partly written)."""
+    if triton is None:
+        raise RuntimeError("kvcdn.kernels.nested_triton needs triton")
+    if out.dim() != 3 or out.dtype not in _OUT_DTYPES:
+        raise ValueError("out must be a float32, float16 or bfloat16 tensor [G, T, D]")
+    G, T, D = out.shape
+    R = k + 1
+    if not len(words) or np.any(wbeg > wend) or np.any(wend > len(words)) or np.any(wbeg < 0):
+        raise ValueError("stream bounds outside the words")
+    if wbeg.shape[0] < R or states.shape[:2] != wbeg.shape or states.shape[2] != STATES:
+        raise ValueError(f"tiers 0..{k} need stream bounds and states for each")
+    if lut.shape[-1] != PROB_SCALE or depth.shape[0] <= k:
+        raise ValueError(f"lut must be [n_tables, {PROB_SCALE}] and depth name tier {k}")
+    if G == 0 or T == 0:
+        return
+    depth = np.asarray(depth, dtype=np.int64)
+    lanes, m = coded_lanes(depth, k)
+    # The CPU kernel's scale, in the same float32 operations (exact: see the docstring).
+    scale = (3 ** (depth[-1] - depth[k])).astype(np.float32) * fine.astype(np.float32)
+    dev = out.device
+
+    def put(a: np.ndarray, dtype: type, view: type | None = None) -> torch.Tensor:
+        a = np.ascontiguousarray(a, dtype=dtype)
+        return torch.from_numpy(a.view(view) if view is not None else a).to(dev)
+
+    refine = refine_tid[:k] if k else np.zeros((1, 3, G, D), dtype=np.int32)
+    n = torch.empty((G, T, D), dtype=torch.int32, device=dev)
+    err = torch.zeros(G, dtype=torch.int32, device=dev)
+    cum32 = put(cum, np.uint32, np.int32)
+    _decode_kernel[(triton.cdiv(G, _BLOCK_G),)](
+        put(words, np.uint16, np.int16), put(wbeg[:R], np.int64), put(wend[:R], np.int64),
+        put(states[:R], np.uint32, np.int32), put(lut.reshape(-1), np.uint32, np.int32),
+        cum32, put(lanes, np.int32), put(m, np.int32), put(lo, np.int32),
+        put(base_tid, np.int32), put(refine, np.int32), put(scale, np.float32),
+        put(mean, np.float32), n, out, err,
+        k, G, T, D, cum32.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_G=_BLOCK_G, BLOCK_D=triton.next_power_of_2(D), N_STATES=STATES,
+        PROB_BITS_C=PROB_BITS, RANS_L_C=RANS_L, OUT_BF16=out.dtype == torch.bfloat16,
+        enable_fp_fusion=False,  # multiply, then add (exact either way: see the docstring)
+    )  # fmt: skip
+    bad = torch.nonzero(err).flatten()
+    if bad.numel():
+        raise RansError(f"group {int(bad[0])}: its rANS stream does not end where it should")
