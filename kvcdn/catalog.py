@@ -11,15 +11,18 @@ goes back to one older than the reader has seen.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from . import keys
 from .errors import (
     FormatError,
+    FreshnessError,
     InputError,
     IntegrityError,
     KvcdnError,
     NotFound,
+    PointerExpired,
     RollbackError,
     TrustError,
 )
@@ -28,6 +31,7 @@ from .manifest import (
     MAX_POINTER_BYTES,
     Manifest,
     Pointer,
+    format_expiry,
     open_manifest,
     open_pointer,
 )
@@ -90,9 +94,15 @@ def removed_version(store: Reader, name: str) -> int:
     return version
 
 
-def read_pointer(store: Reader, name: str, trust: TrustPolicy | None = None) -> Pointer | None:
+def read_pointer(
+    store: Reader, name: str, trust: TrustPolicy | None = None, *, fresh: bool = False
+) -> Pointer | None:
     """``latest.json`` of ``name`` (None when there is none), signed by a trusted key
-    when ``trust`` is given."""
+    when ``trust`` is given; with ``fresh`` too, not past its expiry (:func:`check_fresh`).
+
+    The checks run on each source's bytes, so that through edges a stale copy one
+    edge holds is passed over for a current one from the next edge or the origin.
+    """
     what = f"{name}'s latest pointer"
     found: list[Pointer] = []
 
@@ -100,6 +110,8 @@ def read_pointer(store: Reader, name: str, trust: TrustPolicy | None = None) -> 
         pointer = open_pointer(data, what=what, trust=trust)
         if pointer.name != name:
             raise IntegrityError(f"{what} points at another document ({pointer.name})")
+        if fresh and trust is not None:
+            check_fresh(pointer, trust)
         found.append(pointer)
 
     try:
@@ -107,6 +119,30 @@ def read_pointer(store: Reader, name: str, trust: TrustPolicy | None = None) -> 
     except NotFound:
         return None
     return found[-1]
+
+
+def check_fresh(pointer: Pointer, trust: TrustPolicy, *, now: float | None = None) -> None:
+    """:class:`PointerExpired` when a trusted latest pointer is past its ``expires``
+    (``trust.clock_skew_s`` allowed); :class:`FreshnessError` when it has no expiry
+    and ``trust.require_expiry``. Its publisher renews it with ``kvcdn refresh``."""
+    name = pointer.name
+    if pointer.expires is None:
+        if trust.require_expiry:
+            raise FreshnessError(
+                f"{name}'s latest pointer (naming {name}@{pointer.version}) carries no expiry, "
+                "and this reader requires one (require_expiry, --require-expiry): its "
+                f"publisher must renew it with `kvcdn refresh {name}` or a signed publish"
+            )
+        return
+    now = time.time() if now is None else now
+    if now > pointer.expires + trust.clock_skew_s:
+        raise PointerExpired(
+            f"{name}'s latest pointer (naming {name}@{pointer.version}) expired at "
+            f"{format_expiry(pointer.expires)}; it is now {format_expiry(now)} (clock skew "
+            f"allowed: {trust.clock_skew_s:g} s). Either the store is replaying an old "
+            "pointer or its publisher has stopped renewing it: the publisher runs "
+            f"`kvcdn refresh {name}`; an explicit version ({name}@N) still loads"
+        )
 
 
 def read_manifest(
@@ -122,6 +158,14 @@ def read_manifest(
     store offering nothing that new is refused
     (:class:`~kvcdn.errors.RollbackError`), and when it is the trusted pointer's
     own version that fails verification, that failure is raised.
+
+    A trusted pointer past its signed expiry is refused
+    (:class:`~kvcdn.errors.PointerExpired`), never passed over for the listing:
+    the listing is the store's word, which a store replaying the pointer would
+    shape too. With ``trust.require_expiry``, the latest version is taken only
+    from a trusted pointer with an unexpired expiry
+    (:class:`~kvcdn.errors.FreshnessError` otherwise). Without ``trust`` an
+    expired pointer is followed, with a warning.
     """
     name = keys.check_name(name)
     if version is not None:
@@ -131,12 +175,35 @@ def read_manifest(
     # none is, the error raised says why)
     passed_over: list[str] = []
     try:
-        pointer = read_pointer(store, name, trust)
+        pointer = read_pointer(store, name, trust, fresh=True)
+    except FreshnessError:
+        raise
     except (TrustError, FormatError) as exc:
         if trust is None:
             raise
+        if trust.require_expiry:
+            raise FreshnessError(
+                f"{name}'s latest pointer cannot be believed ({exc}), and this reader "
+                "takes the latest version only from a current signed pointer "
+                f"(require_expiry); ask for an explicit version ({name}@N) instead"
+            ) from None
         passed_over.append(f"its latest pointer ({exc})")
         pointer = None
+    if pointer is None and trust is not None and trust.require_expiry and versions(store, name):
+        raise FreshnessError(
+            f"{name} has no latest pointer in {store.url}, and this reader takes the latest "
+            "version only from a current signed pointer (require_expiry): its publisher "
+            f"must write one (`kvcdn refresh {name}` or a signed publish), or ask for "
+            f"an explicit version ({name}@N)"
+        )
+    if pointer is not None and trust is None and pointer.expires is not None:
+        now = time.time()
+        if now > pointer.expires:
+            log.warning(
+                "%s's latest pointer expired at %s (now %s); following it all the same: "
+                "without a trust file this reader does not check freshness",
+                name, format_expiry(pointer.expires), format_expiry(now),
+            )  # fmt: skip
     failure: Exception | None = None
     if pointer is not None and pointer.version >= seen:
         try:

@@ -84,6 +84,16 @@ class RollbackError(TrustError):
     """The store offers an older version than one this reader has already seen."""
 
 
+class FreshnessError(TrustError):
+    """A document's latest pointer cannot show that it is current: it has expired, or
+    the reader requires a signed expiry and the pointer has none (``docs/trust.md``)."""
+
+
+class PointerExpired(FreshnessError):
+    """A signed latest pointer is past the expiry its publisher signed: a replayed old
+    pointer, or a publisher that has stopped refreshing it (``kvcdn refresh``)."""
+
+
 class ArgumentError(InputError, TypeError):
     """A library function was called with an argument of the wrong type or value.
 

@@ -15,11 +15,12 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from . import keys
 from .container import MAX_TIERS
-from .errors import FormatError, IntegrityError, OldSchema
+from .errors import FormatError, InputError, IntegrityError, OldSchema
 from .jsonfmt import loads
 from .signing import MANIFEST_TYPE, POINTER_TYPE, Signer, TrustPolicy, open_document
 
@@ -455,31 +456,92 @@ class _Validator:
 
 # ---- pointers ---------------------------------------------------------------------
 
+#: How long a signed latest pointer is believed after it is written, by default: its
+#: publisher renews it (``kvcdn refresh``, or any publish) before then. A week lets a
+#: weekly refresh job miss a run by a day without readers noticing, and bounds how long
+#: a store can replay an old pointer to a reader that has never seen the document.
+POINTER_VALID_FOR_S = 7 * 86400
+#: The longest window a publisher may sign: beyond ten years an expiry bounds nothing.
+MAX_POINTER_VALID_FOR_S = 3650 * 86400
+#: ``expires``: RFC 3339 in UTC, whole seconds, "Z": one spelling per instant, so that
+#: no reader has to interpret offsets, fractions or lower-case letters.
+_EXPIRES = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})Z")
+
 
 @dataclass(frozen=True)
 class Pointer:
-    """``latest.json`` or a source index entry: a document version, and who signed it."""
+    """``latest.json`` or a source index entry: a document version, who signed it, and
+    (for a latest pointer, when its publisher signed one) when it stops being believed."""
 
     name: str
     version: int
     signer: Signer | None = None
+    #: Unix seconds (None: the pointer carries no expiry; see ``docs/trust.md``).
+    expires: int | None = None
 
 
-def pointer_bytes(name: str, version: int) -> bytes:
-    """A pointer's JSON (unsigned; :func:`kvcdn.signing.seal` signs it)."""
-    return json.dumps(
-        {"name": name, "version": version, "manifest": keys.manifest_key(name, version)}
-    ).encode()
+def format_expiry(seconds: float) -> str:
+    """Unix ``seconds`` as a pointer's ``expires``: ``2026-01-31T12:00:00Z``."""
+    return datetime.fromtimestamp(int(seconds), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_expiry(value: Any, what: str) -> int:
+    """A pointer's ``expires`` as Unix seconds; :class:`FormatError` unless it is an
+    RFC 3339 UTC time of the one spelling :func:`format_expiry` writes, from 1970."""
+    match = _EXPIRES.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise FormatError(f"{what}: 'expires' must be a UTC time like 2026-01-31T12:00:00Z, "
+                          f"not {shown}")  # fmt: skip
+    try:
+        when = datetime(*(int(g) for g in match.groups()), tzinfo=timezone.utc)
+    except ValueError as exc:
+        raise FormatError(
+            f"{what}: 'expires' {value!r} is not a real date and time ({exc})"
+        ) from None
+    if when.year < 1970:
+        raise FormatError(f"{what}: 'expires' {value!r} is before 1970")
+    return int(when.timestamp())
+
+
+def check_valid_for(seconds: Any) -> int:
+    """A pointer's validity window in whole seconds (rounded up), checked:
+    :class:`InputError` outside 1 s to :data:`MAX_POINTER_VALID_FOR_S`."""
+    if type(seconds) not in (int, float) or not math.isfinite(seconds):
+        raise InputError(f"a pointer's validity window is a number of seconds, not {seconds!r}")
+    if not 1 <= seconds <= MAX_POINTER_VALID_FOR_S:
+        raise InputError(
+            f"a pointer's validity window must be from 1 s to {MAX_POINTER_VALID_FOR_S // 86400}"
+            f" days (--pointer-valid-for), not {seconds:g} s"
+        )
+    return math.ceil(seconds)
+
+
+def pointer_bytes(name: str, version: int, expires: int | None = None) -> bytes:
+    """A pointer's JSON (unsigned; :func:`kvcdn.signing.seal` signs it), with ``expires``
+    (Unix seconds) when given: publishers give it to the latest pointers they sign."""
+    raw: dict[str, Any] = {
+        "name": name, "version": version, "manifest": keys.manifest_key(name, version)
+    }  # fmt: skip
+    if expires is not None:
+        raw["expires"] = format_expiry(expires)
+    return json.dumps(raw).encode()
+
+
+_POINTER_FIELDS = ({"name", "version", "manifest"}, {"name", "version", "manifest", "expires"})
 
 
 def open_pointer(data: bytes, *, what: str, trust: TrustPolicy | None = None) -> Pointer:
-    """Parse a pointer (plain or signed); with ``trust``, only a trusted signed one."""
+    """Parse a pointer (plain or signed); with ``trust``, only a trusted signed one.
+
+    Whether it is still current (its ``expires``) is the caller's to decide:
+    :func:`kvcdn.catalog.check_fresh` for readers, the edge for stale copies."""
     raw, signer = open_document(
         data, POINTER_TYPE, what=what, trust=trust, max_bytes=MAX_POINTER_BYTES
     )
     if (
         not isinstance(raw, dict)
-        or set(raw) != {"name", "version", "manifest"}
+        or set(raw) not in _POINTER_FIELDS
         or not isinstance(raw["name"], str)
         or type(raw["version"]) is not int
         or raw["version"] < 1
@@ -487,4 +549,5 @@ def open_pointer(data: bytes, *, what: str, trust: TrustPolicy | None = None) ->
         or raw["manifest"] != keys.manifest_key(raw["name"], raw["version"])
     ):
         raise FormatError(f"{what} is not a valid version pointer")
-    return Pointer(raw["name"], raw["version"], signer)
+    expires = parse_expiry(raw["expires"], what) if "expires" in raw else None
+    return Pointer(raw["name"], raw["version"], signer, expires)

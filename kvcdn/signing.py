@@ -50,6 +50,10 @@ MAX_SIGNATURES = 16
 MAX_TRUST_FILE_BYTES = 1 << 20
 MAX_KEY_FILE_BYTES = 64 << 10
 MAX_STATE_BYTES = 64 << 20  # a reader's record of the versions it has seen
+#: How far past its signed expiry a latest pointer is still believed: the publisher's
+#: clock and the reader's may disagree by this much (NTP keeps them far closer; a VM
+#: resumed from a snapshot may not be). Small against any useful validity window.
+CLOCK_SKEW_S = 300.0
 
 
 # ---- keys ------------------------------------------------------------------------
@@ -368,6 +372,13 @@ class TrustPolicy:
     one history to this reader: give each environment its own key or names.)
     The seen versions live in memory, and in ``state_path`` (a small JSON file)
     when one is given, so that they outlast the process.
+
+    Freshness (``docs/trust.md``): a signed latest pointer past its ``expires``
+    (give or take ``clock_skew_s``) is refused. One without an expiry (signed
+    before publishers wrote one) is believed unless ``require_expiry``; with it,
+    the latest version is taken only from an unexpired pointer a trusted key
+    signed with an expiry, so a store cannot replay an old one (or hide the
+    pointer) to a reader that has never seen the document.
     """
 
     def __init__(
@@ -376,17 +387,36 @@ class TrustPolicy:
         *,
         state_path: str | Path | None = None,
         source: str = "",
+        require_expiry: bool = False,
+        clock_skew_s: float = CLOCK_SKEW_S,
     ) -> None:
         self.keys = {k.raw: k for k in keys}
         if not self.keys:
             raise InputError("a trust policy needs at least one key")
+        if type(clock_skew_s) not in (int, float) or not 0 <= clock_skew_s <= 86400:
+            raise InputError(f"clock_skew_s must be from 0 to 86400 seconds, not {clock_skew_s!r}")
         self.source = source  # where the keys came from, for messages
         self.state_path = Path(state_path) if state_path else None
+        self.require_expiry = bool(require_expiry)
+        self.clock_skew_s = float(clock_skew_s)
         self._seen: dict[str, int] = {}
 
     @classmethod
-    def from_file(cls, path: str | Path, *, state_path: str | Path | None = None) -> TrustPolicy:
-        return cls(read_public_keys(path), state_path=state_path, source=str(path))
+    def from_file(
+        cls,
+        path: str | Path,
+        *,
+        state_path: str | Path | None = None,
+        require_expiry: bool = False,
+        clock_skew_s: float = CLOCK_SKEW_S,
+    ) -> TrustPolicy:
+        return cls(
+            read_public_keys(path),
+            state_path=state_path,
+            source=str(path),
+            require_expiry=require_expiry,
+            clock_skew_s=clock_skew_s,
+        )
 
     def describe(self) -> str:
         names = ", ".join(k.describe() for k in self.keys.values())
@@ -394,7 +424,12 @@ class TrustPolicy:
 
     def with_keys(self, extra: Iterable[PublicKey]) -> TrustPolicy:
         """The same policy (sharing its seen versions) trusting ``extra`` as well."""
-        other = TrustPolicy([*self.keys.values(), *extra], source=self.source)
+        other = TrustPolicy(
+            [*self.keys.values(), *extra],
+            source=self.source,
+            require_expiry=self.require_expiry,
+            clock_skew_s=self.clock_skew_s,
+        )
         other.state_path, other._seen = self.state_path, self._seen
         return other
 
