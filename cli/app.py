@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from kvcdn.errors import KvcdnError
+from kvcdn.errors import InputError, KvcdnError
 from kvcdn.store import Store
 
 if TYPE_CHECKING:
@@ -62,6 +62,27 @@ trust_option = click.option(
     "'ed25519:... name' line each; see `kvcdn keys`), and never an older latest version "
     "than one seen before. [env KVCDN_TRUST]",
 )
+_REQUIRE_EXPIRY = "kvcdn.require_expiry"
+
+
+def _keep_require_expiry(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    # kept for _trust() rather than passed to each command: the policy is the trust
+    # file's business, and every reader builds its policy there
+    ctx.meta[_REQUIRE_EXPIRY] = value
+    return value
+
+
+require_expiry_option = click.option(
+    "--require-expiry",
+    is_flag=True,
+    envvar="KVCDN_REQUIRE_EXPIRY",
+    expose_value=False,
+    callback=_keep_require_expiry,
+    help="With --trust: take a document's latest version only from a pointer a trusted key "
+    "signed with an expiry that has not passed, so that a store cannot replay an old pointer "
+    "to this reader; a pointer without an expiry, or none, is refused (docs/trust.md). "
+    "[env KVCDN_REQUIRE_EXPIRY]",
+)
 model_option = click.option(
     "--model",
     help="Alias (smollm2-135m, llama-70b, llama-8b, mistral-7b, qwen2.5-7b), Hugging Face id "
@@ -90,11 +111,39 @@ def _trust(path: Path | None) -> TrustPolicy | None:
     from kvcdn import paths
     from kvcdn.signing import TrustPolicy
 
+    ctx = click.get_current_context(silent=True)
+    require_expiry = bool(ctx is not None and ctx.meta.get(_REQUIRE_EXPIRY))
     if path is None:
+        if require_expiry:
+            raise click.UsageError(
+                "--require-expiry (or KVCDN_REQUIRE_EXPIRY) needs --trust: only pointers "
+                "signed by trusted keys carry an expiry worth checking"
+            )
         return None
     state = paths.state_dir()
     digest = hashlib.sha256(str(path.expanduser().absolute()).encode()).hexdigest()[:16]
-    return TrustPolicy.from_file(path, state_path=state / "seen" / f"{digest}.json")
+    return TrustPolicy.from_file(
+        path, state_path=state / "seen" / f"{digest}.json", require_expiry=require_expiry
+    )
+
+
+def parse_duration(text: str, option: str = "--grace") -> float:
+    """``30s``, ``15m``, ``6h``, ``2d`` or a number of seconds -> seconds; an
+    :class:`InputError` naming ``option`` otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    value = text.strip().lower()
+    scale = units.get(value[-1:], None)
+    number = value[:-1] if scale else value
+    try:
+        seconds = float(number) * (scale or 1)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise InputError(
+            f"{option} {text!r} is not a duration: use a number with s, m, h or d "
+            "(30s, 15m, 6h, 2d)"
+        )
+    return seconds
 
 
 def _signer_text(signed_by: dict[str, Any] | None) -> str:

@@ -30,6 +30,7 @@ from .app import (
     json_option,
     model_option,
     out,
+    require_expiry_option,
     store_option,
     trust_option,
 )
@@ -105,6 +106,7 @@ DEMO_QUESTION = "What is sed?"
 @store_option
 @endpoint_option
 @trust_option
+@require_expiry_option
 @device_option
 @json_option
 def ask(

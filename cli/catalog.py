@@ -9,8 +9,6 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from kvcdn.errors import InputError
-
 from . import reports
 from .app import (
     _emit_json,
@@ -23,6 +21,8 @@ from .app import (
     endpoint_option,
     json_option,
     out,
+    parse_duration,
+    require_expiry_option,
     store_option,
     trust_option,
 )
@@ -263,28 +263,12 @@ def check(refs: tuple[str, ...], store: str | None, endpoint_url: str | None,
         raise click.exceptions.Exit(report.exit_code)
 
 
-def parse_duration(text: str) -> float:
-    """``30s``, ``15m``, ``6h``, ``2d`` or a number of seconds -> seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    value = text.strip().lower()
-    scale = units.get(value[-1:], None)
-    number = value[:-1] if scale else value
-    try:
-        seconds = float(number) * (scale or 1)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
-        raise InputError(
-            f"--grace {text!r} is not a duration: use a number with s, m, h or d (30s, 15m, 6h, 2d)"
-        )
-    return seconds
-
-
 @cli.command()
 @click.argument("ref", metavar="NAME[@VERSION]")
 @store_option
 @endpoint_option
 @trust_option
+@require_expiry_option
 @json_option
 def inspect(
     ref: str, store: str | None, endpoint_url: str | None, trust_file: Path | None, as_json: bool

@@ -24,6 +24,7 @@ from .app import (
     err,
     json_option,
     out,
+    require_expiry_option,
     store_option,
     trust_option,
 )
@@ -337,6 +338,7 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 @store_option
 @endpoint_option
 @trust_option
+@require_expiry_option
 @json_option
 def warm(
     refs: tuple[str, ...],

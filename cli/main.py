@@ -2,7 +2,7 @@
 
 Every command takes ``--json`` to print data for scripts instead. Library
 errors become one line on stderr and a non-zero exit code, never a traceback.
-One module per command group: ``publish`` (publish, calibrate), ``catalog``
+One module per command group: ``publish`` (publish, refresh, calibrate), ``catalog``
 (ls, inspect), ``keys``, ``edge`` (edge serve, warm), ``ask`` (ask, demo),
 ``models`` (cached model folders);
 ``app`` holds what they share.

@@ -1,4 +1,5 @@
-"""`kvcdn publish` and `kvcdn calibrate`: documents and codec profiles into a store."""
+"""`kvcdn publish`, `kvcdn refresh` and `kvcdn calibrate`: documents, the renewal of their
+signed pointers, and codec profiles into a store."""
 
 from __future__ import annotations
 
@@ -28,9 +29,29 @@ from .app import (
     json_option,
     model_option,
     out,
+    parse_duration,
     store_option,
     trust_option,
 )
+
+pointer_valid_for_option = click.option(
+    "--pointer-valid-for",
+    "pointer_valid_for",
+    metavar="DURATION",
+    default=None,
+    help="How long readers with --trust believe the signed latest pointer (30m, 12h, 7d; "
+    "1 s to 3650 d): past it they refuse it (exit 6) until `kvcdn refresh` or a publish "
+    "renews it, so a store cannot replay an old pointer for longer. [default: 7d]",
+)
+
+
+def _valid_for(text: str | None) -> float:
+    """``--pointer-valid-for`` in seconds (the library's default when not given)."""
+    from kvcdn.manifest import POINTER_VALID_FOR_S, check_valid_for
+
+    if text is None:
+        return POINTER_VALID_FOR_S
+    return check_valid_for(parse_duration(text, "--pointer-valid-for"))
 
 
 @cli.command()
@@ -128,6 +149,7 @@ from .app import (
     help="Prefill a changed document from its first token, instead of continuing "
     "after the unchanged prefix whose KV the previous version stores.",
 )
+@pointer_valid_for_option
 @trust_option
 @device_option
 @json_option
@@ -148,6 +170,7 @@ def publish(
     actors: int | None,
     threads: int,
     full_prefill: bool,
+    pointer_valid_for: str | None,
     trust_file: Path | None,
     device: str | None,
     as_json: bool,
@@ -156,7 +179,8 @@ def publish(
 
     Objects go up first, the versioned manifest last, so a crash never leaves
     a half-published version; re-running finishes the job, and re-publishing
-    an unchanged document changes nothing. A changed document becomes the
+    an unchanged document changes nothing (but for renewing its signed
+    pointer's expiry). A changed document becomes the
     next version: the model prefills only from its first changed token (the
     KV of what precedes it is read back from the previous version) and only
     the chunks that changed are uploaded.
@@ -166,7 +190,9 @@ def publish(
     the store or this machine already has one; see `kvcdn calibrate`.
 
     With --sign-key, readers that trust the key (--trust) can check that the
-    KV they load is exactly what was published; see `kvcdn keys`.
+    KV they load is exactly what was published; see `kvcdn keys`. The signed
+    latest pointer expires after --pointer-valid-for (7 days): renew it with
+    `kvcdn refresh` (docs/trust.md).
 
     With --engine vllm the prefill runs in vLLM (bf16 on CPU) and the same
     manifest, ladder and objects are published; see docs/vllm.md.
@@ -219,6 +245,12 @@ def publish(
     if ray_address is not None and engine == "vllm":
         raise click.UsageError("--ray publishes with transformers actors; drop --engine vllm")
     check_level_names(levels)  # unknown level names fail here, before the model loads
+    if pointer_valid_for is not None and not sign_key_files:
+        raise click.UsageError(
+            "--pointer-valid-for sets the expiry of signed pointers: add --sign-key (an "
+            "unsigned pointer's expiry would bind no one)"
+        )
+    valid_for = _valid_for(pointer_valid_for)
     sign_keys = _signing_keys(sign_key_files)
     trust = _trust(trust_file)
     target = _open(store, endpoint_url, create=True)
@@ -229,7 +261,7 @@ def publish(
             store=target.url, endpoint_url=endpoint_url, model=model, device=device,
             levels=levels, chunk_tokens=chunk_tokens,
             signing=PublishSettings.signing_of(sign_keys), trust=trust,
-            incremental=not full_prefill, threads=threads,
+            incremental=not full_prefill, threads=threads, pointer_valid_for=valid_for,
         )  # fmt: skip
         documents = [CorpusDocument(n, t, str(p)) for p, (t, n) in zip(paths, named, strict=True)]
         _publish_on_ray(documents, settings, ray_address or None, actors, as_json)
@@ -256,6 +288,7 @@ def publish(
                         trust=trust,
                         prefill=prefill,
                         incremental=not full_prefill,
+                        pointer_valid_for=valid_for,
                     )
                 )
             r = results[-1]
@@ -384,6 +417,108 @@ def _signing_keys(paths: tuple[Path, ...]) -> list[SigningKey]:
     passphrase = os.environ.get("KVCDN_SIGN_KEY_PASSPHRASE")
     return [SigningKey.load(p, passphrase.encode() if passphrase else None) for p in paths]
 
+
+
+@cli.command()
+@click.argument("names", nargs=-1, metavar="[NAME]...")
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="Refresh every document of the store (each one's pointer must be signed by "
+    "your keys or those of --trust; the others are reported as failed).",
+)
+@click.option(
+    "--sign-key",
+    "sign_key_files",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="KVCDN_SIGN_KEY",
+    help="The publisher's private key to sign with (repeat for two while rotating). "
+    "[env KVCDN_SIGN_KEY]",
+)
+@pointer_valid_for_option
+@store_option
+@endpoint_option
+@trust_option
+@json_option
+def refresh(
+    names: tuple[str, ...],
+    every: bool,
+    sign_key_files: tuple[Path, ...],
+    pointer_valid_for: str | None,
+    store: str | None,
+    endpoint_url: str | None,
+    trust_file: Path | None,
+    as_json: bool,
+) -> None:
+    """Renew the expiry of documents' signed latest pointers, naming the same versions.
+
+    A signed latest pointer says which version is the newest, until its
+    expiry: past it, readers with --trust refuse it (exit 6), so that a store
+    cannot replay an old pointer to a reader that has never seen the
+    document. Publishing renews it; refresh renews it without publishing:
+    each pointer is signed again with a new expiry (--pointer-valid-for from
+    now), naming the version it named, which must still be stored and signed
+    by a trusted key. An expired pointer is renewed like any other.
+
+    A publish running meanwhile is never undone: the pointer is written as a
+    publish writes it, so if a newer version appears it names that one.
+
+    Run it from a scheduler well within the window, for instance daily with
+    the default week, so that a missed run or two goes unnoticed:
+
+    \b
+      kvcdn refresh sed-manual --sign-key ~/.config/kvcdn/publisher.key
+      kvcdn refresh --all --store s3://bucket/kv --pointer-valid-for 2d
+      0 3 * * *  kvcdn refresh --all --store s3://bucket/kv   # crontab: daily at 03:00
+
+    With several documents, each failure is reported and the others are
+    refreshed; the exit code is then the first failure's.
+    """
+    from kvcdn.catalog import list_documents
+    from kvcdn.errors import KvcdnError
+    from kvcdn.publish import refresh as do_refresh
+
+    if every == bool(names):
+        raise click.UsageError("name the documents to refresh (NAME...), or give --all")
+    if not sign_key_files:
+        raise click.UsageError(
+            "refresh signs the pointers again: give the publisher's key with --sign-key "
+            "(or KVCDN_SIGN_KEY)"
+        )
+    valid_for = _valid_for(pointer_valid_for)
+    sign_keys = _signing_keys(sign_key_files)
+    trust = _trust(trust_file)
+    target = _open(store, endpoint_url)
+    chosen = list(names) if names else [d.name for d in list_documents(target)]
+    done, failed = [], []
+    for name in chosen:
+        try:
+            result = do_refresh(name, store=target, sign_keys=sign_keys, trust=trust,
+                                pointer_valid_for=valid_for)  # fmt: skip
+        except KvcdnError as exc:
+            if len(chosen) == 1 and not every:
+                raise  # one document: one line and its exit code, as every command
+            failed.append((name, exc))
+            if not as_json:
+                err.print(f"[bold red]error:[/] {escape(name)}: {escape(str(exc))}",
+                          highlight=False, soft_wrap=True)  # fmt: skip
+            continue
+        done.append(result)
+        if not as_json:
+            moved = (
+                f" (a publish made it newer than @{result.previous_version} meanwhile)"
+                if result.version != result.previous_version
+                else ""
+            )
+            out.print(f"[green]✓[/] {escape(result.name)}@{result.version} until "
+                      f"{result.expires_text}, signed by {', '.join(result.signed_by)}{moved}",
+                      highlight=False)  # fmt: skip
+    if as_json:
+        _emit_json(reports.refreshed(done, failed))
+    if failed:
+        raise SystemExit(failed[0][1].exit_code)
 
 
 @cli.command()

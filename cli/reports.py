@@ -17,10 +17,11 @@ if TYPE_CHECKING:
     from kvcdn.catalog import DocumentSummary
     from kvcdn.check import StoreCheck
     from kvcdn.cluster import CorpusReport
+    from kvcdn.errors import KvcdnError
     from kvcdn.gc import Collection, Removal
     from kvcdn.manifest import Manifest, ObjectRef
     from kvcdn.model_cache import CachedModel
-    from kvcdn.publish import PublishResult
+    from kvcdn.publish import PublishResult, RefreshResult
     from kvcdn.sdk import BlendReport, LoadPlan
     from kvcdn.sdk.edges import WarmOutcome
     from kvcdn.signing import PublicKey, Signer
@@ -47,6 +48,25 @@ def published(r: PublishResult) -> dict[str, Any]:
         "prefilled_tokens": r.prefilled_tokens,
         "prefix_from": r.prefix_from,
         "full_prefill_reason": r.full_prefill_reason,
+    }
+
+
+def refreshed(done: list[RefreshResult], failed: list[tuple[str, KvcdnError]]) -> dict[str, Any]:
+    """``kvcdn refresh``: the pointers renewed, and the documents that could not be."""
+    return {
+        "refreshed": [
+            {
+                "name": r.name,
+                "version": r.version,
+                "previous_version": r.previous_version,
+                "expires": r.expires_text,
+                "signed_by": list(r.signed_by),
+            }
+            for r in done
+        ],
+        "failed": [
+            {"name": name, "error": str(exc), "exit_code": exc.exit_code} for name, exc in failed
+        ],
     }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from .codec import needs_profile
 from .errors import InputError, KvcdnError
+from .manifest import POINTER_VALID_FOR_S
 from .publish import PublishResult
 from .signing import SigningKey, TrustPolicy
 
@@ -61,6 +62,8 @@ class PublishSettings:
     incremental: bool = True
     #: PyTorch threads per CPU actor (and the CPUs Ray reserves for it).
     threads: int = 1
+    #: Seconds a signed latest pointer is believed (``publish(pointer_valid_for=)``).
+    pointer_valid_for: float = POINTER_VALID_FOR_S
 
     @staticmethod
     def signing_of(keys: Sequence[SigningKey]) -> tuple[tuple[bytes, str], ...]:
@@ -141,7 +144,7 @@ class CorpusPublisher:
         result = publish(
             text=document.text, name=document.name, model=self.loaded, store=self.store,
             levels=s.levels, chunk_tokens=s.chunk_tokens, sign_keys=s.sign_keys, trust=s.trust,
-            incremental=s.incremental,
+            incremental=s.incremental, pointer_valid_for=s.pointer_valid_for,
         )  # fmt: skip
         return result, os.getpid(), time.perf_counter() - started
 

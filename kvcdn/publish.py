@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -54,14 +55,18 @@ from .errors import (
     StoreError,
     TrustError,
 )
-from .keys import MAX_VERSION, latest_key, manifest_key, object_key
+from .keys import MAX_VERSION, check_name, latest_key, manifest_key, object_key
 from .kv import DEFAULT_CHUNK_TOKENS, split_chunks
 from .manifest import (
     MAX_CHUNK_TOKENS,
+    POINTER_VALID_FOR_S,
     ChunkEntry,
     LevelInfo,
     Manifest,
     ObjectRef,
+    Pointer,
+    check_valid_for,
+    format_expiry,
     pointer_bytes,
 )
 from .models import LoadedModel, load_model
@@ -120,6 +125,7 @@ def publish(
     trust: TrustPolicy | None = None,
     prefill: Callable[[list[int]], torch.Tensor] | None = None,
     incremental: bool = True,
+    pointer_valid_for: float = POINTER_VALID_FOR_S,
 ) -> PublishResult:
     """Publish one document (a file ``path``, or ``text`` with a ``name``).
 
@@ -128,9 +134,11 @@ def publish(
     default the model's own prefill does.
 
     ``sign_keys`` sign the manifest and the pointer (several keys during a key
-    rotation). ``trust`` names other publishers whose versions and profiles
-    this one may build on; a signing publisher always trusts its own keys.
-    ``on_object(key)`` is called after each object is stored.
+    rotation); the signed pointer expires ``pointer_valid_for`` seconds from now
+    (a week by default), and every signed publish renews it, an unchanged one
+    included (``docs/trust.md``). ``trust`` names other publishers whose versions
+    and profiles this one may build on; a signing publisher always trusts its own
+    keys. ``on_object(key)`` is called after each object is stored.
 
     With ``incremental`` (the default), a new version that begins like the
     previous one is prefilled only from its first changed token, after the
@@ -139,13 +147,15 @@ def publish(
     (``docs/incremental.md``).
     """
     started = time.perf_counter()
+    valid_for = check_valid_for(pointer_valid_for)  # before the model loads
     job = _plan(path, text, name, model, store, levels, chunk_tokens, device, progress,
                 on_object, sign_keys, trust, prefill, incremental)  # fmt: skip
     for _attempt in range(VERSION_ATTEMPTS):
         listing = _Listing.read(job)
         previous = listing.previous
         if previous is not None and job.unchanged_over(previous):
-            _advance_pointer(job.store, job.name, previous.version, job.sign_keys, job.trust)
+            _advance_pointer(job.store, job.name, previous.version, job.sign_keys, job.trust,
+                             valid_for=valid_for)  # fmt: skip
             _write_indexes(job.store, previous)
             return _unchanged_result(job, previous, started)
         job.tokenize()  # not before: an unchanged republish needs no tokens
@@ -163,7 +173,8 @@ def publish(
             f"other publishers of '{job.name}' took {VERSION_ATTEMPTS} versions in a row while "
             "this one tried to publish; run the publish again"
         )
-    _advance_pointer(job.store, job.name, manifest.version, job.sign_keys, job.trust)
+    _advance_pointer(job.store, job.name, manifest.version, job.sign_keys, job.trust,
+                     valid_for=valid_for)  # fmt: skip
     _write_indexes(job.store, manifest)
     job.seconds["total"] = time.perf_counter() - started
     log.info("published %s@%d: %d chunks, %d objects uploaded", job.name, manifest.version,
@@ -754,27 +765,118 @@ def _advance_pointer(
     version: int,
     sign_keys: Sequence[SigningKey],
     trust: TrustPolicy | None,
-) -> None:
+    *,
+    valid_for: int = POINTER_VALID_FOR_S,
+) -> Pointer:
     """Point ``latest.json`` at the newest version, never an older one, and never at one
-    this publisher has not read (with ``trust``: verified).
+    this publisher has not read (with ``trust``: verified); return the pointer as left.
 
-    Another publisher may write the pointer between our read and our write;
-    listing again afterwards and rewriting until the listing holds nothing
-    newer makes concurrent publishers agree on the newest version.
+    Another publisher (or a refresh) may write the pointer between our read and our
+    write; listing again afterwards and rewriting until the listing holds nothing
+    newer makes concurrent publishers agree on the newest version. The store has no
+    compare-and-swap for an existing key: this is the guarantee instead, and it holds
+    because every writer of the pointer creates its version's manifest before it.
+
+    With ``sign_keys`` the pointer is always written anew, signed, expiring
+    ``valid_for`` seconds from now: a signed publish, unchanged or not, renews it.
     """
     target = version
+    written: Pointer | None = None
+    current: Pointer | None = None
     for _ in range(VERSION_ATTEMPTS):
         # a newer readable version first: the pointer never moves back, even for a moment
         newer = catalog.newest_readable(store, name, trust, above=target, skip=True)
         target = newer.version if newer is not None else target
         try:
-            current = catalog.read_pointer(store, name, trust)
+            current = catalog.read_pointer(store, name, trust)  # expired or not: replaced
         except (FormatError, TrustError):
             current = None  # damaged or not ours to believe: rewritten
-        if current is None or current.version != target:
-            data = pointer_bytes(name, target)
+        renew = bool(sign_keys) and (written is None or written.version != target)
+        if current is None or current.version != target or renew:
+            expires = math.ceil(time.time() + valid_for) if sign_keys else None
+            data = pointer_bytes(name, target, expires)
             if sign_keys:
                 data = seal(data, POINTER_TYPE, sign_keys)
             store.put(latest_key(name), data)
+            written = current = Pointer(name, target, None, expires)
         if catalog.newest_readable(store, name, trust, above=target, skip=True) is None:
-            return
+            break
+    assert current is not None  # the first attempt read a pointer or wrote one
+    return current
+
+
+@dataclass
+class RefreshResult:
+    """One pointer renewed by :func:`refresh`."""
+
+    name: str
+    #: The version the renewed pointer names: the one it named before, or a newer one
+    #: that a publish running at the same time made (never an older one).
+    version: int
+    previous_version: int
+    expires: int  # Unix seconds
+    signed_by: list[str] = field(default_factory=list)  # key ids
+
+    @property
+    def expires_text(self) -> str:
+        return format_expiry(self.expires)
+
+
+def refresh(
+    name: str,
+    *,
+    store: str | Store | None = None,
+    sign_keys: Sequence[SigningKey],
+    trust: TrustPolicy | None = None,
+    pointer_valid_for: float = POINTER_VALID_FOR_S,
+) -> RefreshResult:
+    """Sign ``name``'s latest pointer again with a new expiry, ``pointer_valid_for``
+    seconds from now, naming the version it names (``kvcdn refresh``).
+
+    Only a pointer one of ``sign_keys`` (or a key of ``trust``) signed is
+    renewed, expired or not, and only when the version it names is still stored
+    and verifies: a signature renews the publisher's word, so it is never put on
+    what the store alone says. A publish that runs meanwhile is never undone:
+    the pointer is written as a publish writes it (:func:`_advance_pointer`), so
+    when a newer version appears it names that one.
+    """
+    valid_for = check_valid_for(pointer_valid_for)
+    name = check_name(name)
+    sign_keys = tuple(sign_keys)
+    if not sign_keys:
+        raise InputError(
+            "refreshing a pointer signs it again: give the publisher's signing key "
+            "(--sign-key or KVCDN_SIGN_KEY)"
+        )
+    own = [k.public for k in sign_keys]
+    trust = trust.with_keys(own) if trust is not None else TrustPolicy(own)
+    store = store if isinstance(store, Store) else open_store(store, create=False)
+    try:
+        current = catalog.read_pointer(store, name, trust)  # expired or not: that is the point
+    except TrustError as exc:
+        raise type(exc)(
+            f"{exc}. kvcdn refresh renews only pointers signed by the keys it signs with "
+            "(or those of --trust); publish the document with --sign-key to sign one"
+        ) from None
+    if current is None:
+        listed = catalog.versions(store, name)
+        if not listed:
+            raise NotFound(f"no document named '{name}' in {store.url}")
+        raise NotFound(
+            f"'{name}' has no latest pointer in {store.url} to refresh (versions: "
+            f"{', '.join(map(str, listed))}); publish it again with --sign-key to write one"
+        )
+    # The version must still be there, signed by a trusted key: never vouch for a pointer
+    # to a version that was removed (kvcdn rm) or altered since.
+    catalog.read_manifest(store, name, current.version, trust=trust)
+    left = _advance_pointer(store, name, current.version, sign_keys, trust, valid_for=valid_for)
+    assert left.expires is not None  # written just now, signed
+    log.info("refreshed %s's latest pointer: %s@%d until %s", name, name, left.version,
+             format_expiry(left.expires))  # fmt: skip
+    return RefreshResult(
+        name=name,
+        version=left.version,
+        previous_version=current.version,
+        expires=left.expires,
+        signed_by=[k.public.id for k in sign_keys],
+    )
