@@ -12,8 +12,9 @@ or after their file changed, a piece at a time.
 
 Pointers (and manifests the edge cannot verify) are revalidated: held in
 memory for a few seconds, then fetched again; while the origin is down the
-last good copy is served stale (RFC 9111's stale-if-error), and a refreshed
-pointer never goes back to an older version than the one held.
+last good copy is served stale (RFC 9111's stale-if-error), but never past
+the expiry its publisher signed into it, and a refreshed pointer never goes
+back to an older version than the one held.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from typing import BinaryIO, Generic, TypeVar
 
 from kvcdn.keys import KeyInfo
+from kvcdn.manifest import format_expiry
 from kvcdn.signing import TrustPolicy
 
 from .cache import DiskCache, Entry, Spool, stamp_of
@@ -309,19 +311,35 @@ class Filler:
         except FetchError as exc:
             if exc.status == 404:
                 raise
-            stale = await self._stale_copy(key, info)
+            stale = await self._stale_copy(key, info, exc)
             if stale is None:
                 raise
             self.metrics.stale_served += 1
             log.warning("origin unavailable: serving %s stale (%.0f s old)", key, stale.age_s)
             return stale
 
-    async def _stale_copy(self, key: str, info: KeyInfo) -> Found | None:
-        """The last good copy of a revalidated key, if not older than ``max_stale_s``."""
+    async def _stale_copy(self, key: str, info: KeyInfo, failure: FetchError) -> Found | None:
+        """The last good copy of a revalidated key, if not older than ``max_stale_s``.
+
+        A pointer past the expiry its publisher signed is not served: answering it
+        would outlive the publisher's word, which is exactly the replay an expiry
+        exists to bound. The origin's ``failure`` is answered instead, saying so.
+        No clock-skew allowance here (readers have one): the edge is extending a
+        copy's life on its own, so its own clock ends it."""
         held = await self._held(key, info)
         if held is None or held[0] > self.max_stale_s:
             return None
         age, data, verified = held
+        if verified.expires is not None and time.time() >= verified.expires:
+            self.metrics.stale_expired_refused += 1
+            expired = format_expiry(verified.expires)
+            log.warning("origin unavailable, and the copy of %s held here expired at %s: "
+                        "not serving it stale", key, expired)  # fmt: skip
+            raise FetchError(
+                failure.status,
+                f"{failure}; the copy of {key} this edge holds expired at {expired} "
+                "(its publisher's signed expiry), so it is not served stale",
+            )
         return Found(verified.etag, len(data), data=data, stale=True, age_s=age)
 
     async def _held(self, key: str, info: KeyInfo) -> tuple[float, bytes, Verified] | None:
@@ -408,6 +426,13 @@ class Filler:
         spool.discard()
         assert data is not None  # documents are verified from their bytes
         data, verified, changed = await self._newer_of(key, info, data, verified)
+        if verified.expires is not None and time.time() >= verified.expires:
+            # Passed on as the origin holds it: the origin is the authority on what is
+            # current, and a reader with trust refuses it with a message naming the
+            # expiry, which says more than a 502 from here would.
+            self.metrics.expired_pointers_fetched += 1
+            log.warning("the origin serves %s past its signed expiry (%s): its publisher "
+                        "has not refreshed it", key, format_expiry(verified.expires))  # fmt: skip
         self.pointers.put(key, (time.monotonic(), data, verified))
         if changed:  # kept on disk for stale-if-error and restarts: written after
             keeping = asyncio.get_running_loop().create_task(

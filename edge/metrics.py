@@ -20,6 +20,10 @@ class Metrics:
     origin_errors: int = 0
     verify_failures: int = 0
     stale_served: int = 0
+    #: Stale copies of pointers not served because their signed expiry had passed.
+    stale_expired_refused: int = 0
+    #: Pointers the origin served past their signed expiry (passed on as they are).
+    expired_pointers_fetched: int = 0
     rollbacks_refused: int = 0
     #: Responses by status code. Bounded without a cap: the statuses are the
     #: edge's own (aiohttp accepts 100-999 only), never taken from a request.
@@ -54,6 +58,10 @@ class Metrics:
             f"kvcdn_edge_verify_failures_total {self.verify_failures}",
             "# TYPE kvcdn_edge_stale_served_total counter",
             f"kvcdn_edge_stale_served_total {self.stale_served}",
+            "# TYPE kvcdn_edge_stale_expired_refused_total counter",
+            f"kvcdn_edge_stale_expired_refused_total {self.stale_expired_refused}",
+            "# TYPE kvcdn_edge_expired_pointers_fetched_total counter",
+            f"kvcdn_edge_expired_pointers_fetched_total {self.expired_pointers_fetched}",
             "# TYPE kvcdn_edge_rollbacks_refused_total counter",
             f"kvcdn_edge_rollbacks_refused_total {self.rollbacks_refused}",
             "# TYPE kvcdn_edge_cache_bytes gauge",

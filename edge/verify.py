@@ -14,7 +14,8 @@ poisoned origin nor a flipped bit on the edge's own disk is passed on:
   the origin every few seconds, never served as immutable;
 * pointers (``latest.json``): a valid pointer to that document, signed by a
   trusted key when the edge has trust keys; never older than the one the edge
-  already holds (rollback);
+  already holds (rollback). Its signed ``expires``, if any, is kept: a copy
+  past it is never served stale (:mod:`.fill`);
 * other pointers (source index entries, profile pointers): valid, readers
   check what they lead to.
 """
@@ -56,6 +57,8 @@ class Verified:
     #: True when the bytes can never change (content-addressed, or signed and versioned).
     immutable: bool
     version: int = 0  # of a pointer, for rollback
+    #: Of a pointer: when its publisher's word runs out (Unix seconds; None: no expiry).
+    expires: int | None = None
 
 
 def check_key(key: str) -> KeyInfo | None:
@@ -154,7 +157,8 @@ def verify(key: str, info: KeyInfo, data: bytes, trust: TrustPolicy | None) -> V
             pointer = open_pointer(data, what=key, trust=trust)
             if pointer.name != info.name:
                 raise VerifyError(f"{key} points at another document ({pointer.name})")
-            return Verified(_etag(digest), immutable=False, version=pointer.version)
+            return Verified(_etag(digest), immutable=False, version=pointer.version,
+                            expires=pointer.expires)  # fmt: skip
         if info.kind == "removed":  # a publisher's record, read from the store itself
             raise VerifyError(f"{key} is not served by edges")
         if info.kind in ("index", "prefix-index"):
