@@ -15,7 +15,7 @@ from kvcdn.cli.main import cli
 from kvcdn.codec_profile import LADDER
 from tests.cli_json import commands, parsed
 
-COMMANDS = ["publish", "ls", "inspect", "ask", "demo", "rm", "gc"]
+COMMANDS = ["publish", "refresh", "ls", "inspect", "ask", "demo", "rm", "gc"]
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
