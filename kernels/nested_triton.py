@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-__all__ = ["available", "decode"]
+__all__ = ["available", "decode", "warm_up"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK_G = 8  # groups a program: 8 x 4 states is one warp's 32 lanes
@@ -62,7 +62,10 @@ if triton is not None:
         bad = bad | tl.max((need & (idx >= end[:, None])).to(tl.int32), axis=1)
         return tl.where(need, (v << 16) | w.to(tl.uint32), v), pos + tl.sum(need_i, axis=1), bad
 
-    @triton.jit
+    # Sizes that vary from chunk to chunk are not specialised on (Triton compiles a
+    # kernel for each value of 1 and each divisibility by 16): one compilation an
+    # output dtype and width, which warm_up makes ahead of the first chunk.
+    @triton.jit(do_not_specialize=["K", "G", "T", "CUM_STRIDE", "stride_og", "stride_ot"])
     def _decode_kernel(
         words_ptr, wbeg_ptr, wend_ptr, states_ptr, lut_ptr, cum_ptr, lanes_ptr, m_ptr,
         lo_ptr, base_ptr, refine_ptr, scale_ptr, mean_ptr, n_ptr, out_ptr, err_ptr,
@@ -206,3 +209,28 @@ def decode(
     bad = torch.nonzero(err).flatten()
     if bad.numel():
         raise RansError(f"group {int(bad[0])}: its rANS stream does not end where it should")
+
+
+def warm_up(device: str | torch.device, dtype: torch.dtype, dim: int) -> None:
+    """Compile (or load from Triton's cache) the decoder for ``dtype`` outputs of ``dim``
+    channels on ``device``, so that a process's first chunk does not wait for it. The
+    stream is made up and fails its end check, which is expected."""
+    from .rans import build_decode_table, cumulative
+
+    G, T = 2, 1
+    freqs = np.zeros((2, 12), dtype=np.uint32)
+    freqs[0, :4] = 1024  # a base table of 4 symbols
+    freqs[1, :3] = (1366, 1365, 1365)  # a ternary refinement table
+    zeros = np.zeros((G, dim), dtype=np.int64)
+    depth = np.zeros((2, G, dim), dtype=np.int64)
+    depth[1] = 1
+    bounds = np.zeros((2, G), dtype=np.int64)
+    states = np.full((2, G, STATES), RANS_L, dtype=np.uint32)
+    out = torch.empty((G, T + 1, dim), dtype=dtype, device=device)[:, 1:]
+    try:
+        decode(1, np.zeros(4, dtype=np.uint16), bounds, bounds, states,
+               build_decode_table(freqs), cumulative(freqs), zeros.astype(np.float32),
+               np.ones((G, dim), dtype=np.float32), depth, zeros, zeros,
+               np.ones((1, 3, G, dim), dtype=np.int64), out)  # fmt: skip
+    except RansError:
+        pass

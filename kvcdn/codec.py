@@ -446,8 +446,9 @@ _warmed: set[tuple[str, str]] = set()
 def warm_up(device: str = "cpu", dtype: Any = None, dim: int = 64) -> None:
     """Load the decode kernels a load on ``device`` uses into this process, so that
     the first chunk decoded does not pay for it: the CPU kernels (about 0.3 s, from
-    numba's cache) and, on a CUDA device, the Triton decoder for ``dtype`` outputs
-    of ``dim`` channels (about 0.5 s). Once per process, device and dtype."""
+    numba's cache) and, on a CUDA device, the Triton decoders (independent and nested,
+    about 0.5 s each) for ``dtype`` outputs of ``dim`` channels. Once per process,
+    device and dtype."""
     import torch
 
     dtype = dtype or torch.float32
@@ -461,7 +462,8 @@ def warm_up(device: str = "cpu", dtype: Any = None, dim: int = 64) -> None:
             nested_kernels.warm_up()
             _warmed.add(("cpu", ""))  # the compiled kernels are the process's
         if key[0] == "cuda" and key not in _warmed and rans.triton_available():
-            from kvcdn.kernels import rans_triton
+            from kvcdn.kernels import nested_triton, rans_triton
 
             rans_triton.warm_up(device, dtype, dim)
+            nested_triton.warm_up(device, dtype, dim)
             _warmed.add(key)
