@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,16 @@ def _parse_size(value: str, option: str) -> int:
     help="Answer 503 to connections beyond N open ones. [default: what the descriptor "
     "limit, raised to its maximum, leaves room for]",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1, max=256),
+    metavar="N",
+    help="Worker processes: N event loops on N cores, one port (SO_REUSEPORT) and one "
+    "cache folder. A miss reaches the origin once across workers, --max-bytes bounds the "
+    "folder, /metrics sums them; a worker that dies is started again. 1: a single "
+    "process, no supervisor. [default: the cores this process may use]",
+)
+@click.option("--worker-name", hidden=True, help="(Internal: set by the supervisor.)")
 @trust_option
 @click.option(
     "--s3-keys",
@@ -167,6 +178,8 @@ def edge_serve(
     warm_concurrency: int,
     idle_timeout: float,
     max_connections: int | None,
+    workers: int | None,
+    worker_name: str | None,
     trust_file: Path | None,
     s3_keys_file: Path | None,
     max_stale: float,
@@ -188,8 +201,13 @@ def edge_serve(
     {"keys": [...]} prefetches in the background (see `kvcdn warm`).
     /metrics (Prometheus) and /healthz are always open.
 
+    --workers N (default: one per core) runs N processes behind one port,
+    sharing the cache folder: use it to serve more than one core can (tens of
+    Gbit/s); --workers 1 is one process.
+
     \b
       kvcdn edge serve --origin s3://kv/prod --cache-dir /var/cache/kvcdn --max-bytes 200G
+      kvcdn edge serve --origin s3://kv/prod --cache-dir /var/cache/kvcdn --workers 8 ...
       kvcdn edge serve --origin s3://kv/prod --parent http://regional-edge:8080 ...
       kvcdn edge serve --origin s3://kv/prod --trust publishers.pub --s3-keys clients.keys ...
     """
@@ -199,6 +217,8 @@ def edge_serve(
     from kvcdn.edge.s3api import BucketView
     from kvcdn.edge.s3auth import S3Keys
     from kvcdn.edge.server import Edge, run
+    from kvcdn.edge.shared import Shared
+    from kvcdn.edge.workers import available_cores, supervise, worker_command
     from kvcdn.signing import TrustPolicy
 
     host, _, port = listen.rpartition(":")
@@ -217,8 +237,16 @@ def edge_serve(
     origins = [open_origin(origin, origin_timeout, endpoint_url=endpoint_url)]
     if parent:  # a parent edge of the same network takes the same read token
         origins.insert(0, open_origin(parent, origin_timeout, read_token))
+    n_workers = workers or available_cores()
+    supervisor = worker_name is None and n_workers > 1
     try:
-        cache = DiskCache(cache_dir, _parse_size(max_bytes, "--max-bytes"))
+        if worker_name is not None:  # the supervisor rebuilt the folder and its ledger
+            cache = DiskCache(cache_dir, _parse_size(max_bytes, "--max-bytes"),
+                              shared=Shared(cache_dir))  # fmt: skip
+        else:
+            cache = DiskCache(cache_dir, _parse_size(max_bytes, "--max-bytes"))
+        if supervisor:
+            Shared(cache_dir).set_totals(cache.bytes, len(cache))
     except OSError as exc:
         raise click.BadParameter(f"cannot use {cache_dir}: {exc.strerror}") from None
     admin_token = _read_token(admin_token_file)
@@ -235,12 +263,19 @@ def edge_serve(
         s3_keys=s3_keys,
         max_stale_s=max_stale,
         admin_open=loopback,
+        worker=worker_name,
     )
+    _raise_file_limit()
+    if worker_name is not None:  # the supervisor said what it serves
+        run(node, host, int(port), idle_timeout_s=idle_timeout, max_connections=max_connections,
+            reuse_port=True)  # fmt: skip
+        return
     checks = [n for n, on in (("signed manifests", trust), ("S3 signatures", s3_keys)) if on]
-    err.print(
-        f"kvcdn edge on http://{host}:{port} → {escape(origin)}"
-        + (f" (verifying {' and '.join(checks)})" if checks else "")
-    )
+    note = f" (verifying {' and '.join(checks)})" if checks else ""
+    if supervisor:
+        _check_port_free(host, int(port))
+        note += f", {n_workers} workers"
+    err.print(f"kvcdn edge on http://{host}:{port} → {escape(origin)}{note}")
     if s3_keys is not None and read_token is None:
         err.print(
             "note: with --s3-keys and no --token-file only signed S3 requests can read; "
@@ -251,8 +286,29 @@ def edge_serve(
             f"note: listening on {escape(host)} beyond loopback without --admin-token-file: "
             "POST /warm and /shaping are refused (403)"
         )
-    _raise_file_limit()
+    if supervisor:
+        argv = sys.argv[1:]
+        if "serve" not in argv:
+            raise click.UsageError("--workers above 1 needs `kvcdn edge serve` as the command")
+        counters = cache_dir / "workers"
+        raise SystemExit(supervise(lambda name: worker_command(argv, name), n_workers, counters))
     run(node, host, int(port), idle_timeout_s=idle_timeout, max_connections=max_connections)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a --listen address in use before any worker starts (each worker's
+    SO_REUSEPORT bind would fail alone, and be restarted in vain)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(infos[0][4])
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
 
 
 def _is_loopback(host: str) -> bool:

@@ -38,7 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from .shared import Shared
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +229,17 @@ class Spool:
 
 
 class DiskCache:
-    def __init__(self, root: str | Path, max_bytes: int) -> None:
+    """The cache folder. With ``shared`` (an edge of several worker processes, see
+    :mod:`.shared`), the folder is shared: the bound on its bytes is kept in the
+    shared ledger, and the in-memory index holds what this worker has seen, each
+    entry found on disk when first asked for (:meth:`load`); a file a sibling
+    evicted is a miss. The supervisor rebuilds the folder once (:meth:`rebuild`)
+    before its workers start."""
+
+    def __init__(self, root: str | Path, max_bytes: int, *, shared: Shared | None = None
+                 ) -> None:  # fmt: skip
         self.root = Path(root)
+        self.shared = shared
         self.max_bytes = max_bytes
         # independent of max_bytes: an object too big to cache is still served (from its
         # spool), as any other miss
@@ -242,7 +254,8 @@ class DiskCache:
         self.writes = 0  # objects written since start
         self.skips = 0  # objects not written: too big, disk full, write errors
         (self.root / "objects").mkdir(parents=True, exist_ok=True)
-        self._rebuild()
+        if shared is None:  # a worker's siblings may be writing: it neither cleans nor scans
+            self._rebuild()
 
     # ---- start-up ------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -274,10 +287,40 @@ class DiskCache:
     # ---- queries -------------------------------------------------------------
     @property
     def bytes(self) -> int:
-        return self._bytes
+        """Bytes of cached objects (in the whole shared folder, for a worker)."""
+        return self.shared.totals()[0] if self.shared else self._bytes
 
     def __len__(self) -> int:
-        return len(self._index)
+        return self.shared.totals()[1] if self.shared else len(self._index)
+
+    def load(self, key: str) -> Entry | None:
+        """A worker's way to an entry a sibling cached: read from its meta file and
+        indexed (not yet verified here), or None. Always None without ``shared``."""
+        if self.shared is None:
+            return None
+        digest = _digest(key)
+        data_path = self.root / "objects" / digest[:2] / digest
+        try:
+            meta = json.loads(data_path.with_suffix(".meta").read_bytes())
+            size = data_path.stat().st_size
+            if meta["key"] != key or meta["size"] != size:
+                return None  # being replaced, or damaged: fetched again, under the key lock
+            entry = Entry(key, size, meta["etag"], data_path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        with self._lock:
+            self._index[key] = entry
+            self._index.move_to_end(key)
+            while len(self._index) > MAX_ENTRIES:
+                self._index.popitem(last=False)  # forgotten here, still on disk
+        return entry
+
+    def forget(self, key: str) -> None:
+        """Drop ``key`` from this worker's index, not from disk (a sibling evicted it)."""
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._bytes -= entry.size
 
     def lookup(self, key: str) -> Entry | None:
         """The entry for ``key`` (marked as just used), or None."""
@@ -302,7 +345,9 @@ class DiskCache:
             self.skips += 1
             return False
         self.drop(key)
-        self._evict(room_for=len(data), entries=1)
+        if not self._make_room(len(data)):
+            self.skips += 1
+            return False
         digest = _digest(key)
         folder = self.root / "objects" / digest[:2]
         data_path = folder / digest
@@ -317,6 +362,7 @@ class DiskCache:
         except OSError as exc:
             _unlink(tmp)
             _unlink(data_path)
+            self._unreserve(len(data))
             self._write_failed(key, exc)
             self.skips += 1
             return False
@@ -339,7 +385,9 @@ class DiskCache:
             self.skips += 1
             return False
         self.drop(key)
-        self._evict(room_for=size, entries=1)
+        if not self._make_room(size):
+            self.skips += 1
+            return False
         digest = _digest(key)
         data_path = spool.path.with_name(digest)
         meta_path = spool.path.with_name(f"{digest}.meta")
@@ -354,6 +402,7 @@ class DiskCache:
             _unlink(tmp)
             if spool._placed:
                 _unlink(data_path)
+            self._unreserve(size)
             self._write_failed(key, exc)
             self.skips += 1
             return False
@@ -414,15 +463,94 @@ class DiskCache:
     def drop(self, key: str) -> None:
         with self._lock:
             entry = self._index.pop(key, None)
-            if entry is None:
+            if entry is not None:
+                self._bytes -= entry.size
+        if self.shared is not None:  # what the folder holds, whoever indexed it
+            digest = _digest(key)
+            path = self.root / "objects" / digest[:2] / digest
+            try:
+                size = path.stat().st_size
+            except OSError:
                 return
-            self._bytes -= entry.size
+            _unlink(path.with_suffix(".meta"))
+            _unlink(path)
+            with self.shared.ledger() as totals:
+                totals[0] -= size
+                totals[1] -= 1
+            return
+        if entry is None:
+            return
         _unlink(entry.path.with_suffix(".meta"))
         _unlink(entry.path)
+
+    def _make_room(self, size: int) -> bool:
+        """Room for one more object of ``size`` bytes: evicted for locally, or reserved
+        in the shared ledger (evicting across the folder when it is full)."""
+        if self.shared is None:
+            self._evict(room_for=size, entries=1)
+            return True
+        with self.shared.ledger() as totals:
+            if totals[0] + size > self.max_bytes or totals[1] + 1 > MAX_ENTRIES:
+                totals[:] = self._scan_evict(size)
+            if totals[0] + size > self.max_bytes:
+                return False  # what is left is being written by siblings right now
+            totals[0] += size
+            totals[1] += 1
+        return True
+
+    def _unreserve(self, size: int) -> None:
+        if self.shared is not None:
+            with self.shared.ledger() as totals:
+                totals[0] -= size
+                totals[1] -= 1
+
+    def _scan_evict(self, room_for: int) -> list[int]:
+        """(Under the ledger's lock.) Count what the folder holds and evict the least
+        recently used objects, by their meta files' mtimes, until ``room_for`` more
+        bytes fit under :data:`~.shared.LOW_WATER` of the bound; the totals left."""
+        from .shared import LOW_WATER
+
+        sizes: dict[Path, int] = {}
+        used: list[tuple[float, Path]] = []
+        for folder in (self.root / "objects").iterdir():
+            try:
+                names = list(os.scandir(folder))
+            except OSError:
+                continue
+            for e in names:
+                if e.name.startswith("."):
+                    continue  # spools and temporary files: the spool budget's
+                try:
+                    st = e.stat()
+                except OSError:
+                    continue
+                if e.name.endswith(".meta"):
+                    used.append((st.st_mtime, Path(e.path).with_suffix("")))
+                else:
+                    # data without meta is being renamed into place: counted, not evicted
+                    sizes[Path(e.path)] = st.st_size
+        total, objects = sum(sizes.values()), len(sizes)
+        target = max(0, min(int(self.max_bytes * LOW_WATER), self.max_bytes - room_for))
+        for _, path in sorted(used):
+            if total <= target and objects < MAX_ENTRIES:
+                break
+            if path not in sizes:
+                continue
+            _unlink(path.with_suffix(".meta"))
+            _unlink(path)
+            total -= sizes[path]
+            objects -= 1
+            self.evictions += 1
+        return [total, objects]
 
     def _evict(self, room_for: int = 0, entries: int = 0) -> None:
         """Drop least recently used entries until ``room_for`` more bytes, and
         ``entries`` more entries, fit."""
+        if self.shared is not None:  # the bound is the ledger's; the index only forgets
+            with self._lock:
+                while len(self._index) > MAX_ENTRIES:
+                    self._index.popitem(last=False)
+            return
         while True:
             with self._lock:
                 fits = len(self._index) + entries <= MAX_ENTRIES

@@ -20,6 +20,7 @@ back to an older version than the one held.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -139,14 +140,18 @@ class Filled:
     its spool (on disk, or in memory while the disk is full), or a document's bytes."""
 
     def __init__(self, verified: Verified, size: int, *, spool: Spool | None = None,
-                 data: bytes = b"") -> None:  # fmt: skip
+                 data: bytes = b"", file: BinaryIO | None = None) -> None:  # fmt: skip
         self.verified = verified
         self.size = size
         self.spool = spool
         self.data = data
+        self.file = file  # verified bytes a sibling worker cached while this one waited
 
     def found(self) -> Found:
-        """What one waiter sends, with its own handle on a spooled file."""
+        """What one waiter sends, with its own handle on a spooled (or cached) file."""
+        if self.file is not None:
+            dup = os.fdopen(os.dup(self.file.fileno()), "rb")
+            return Found(self.verified.etag, self.size, file=dup)
         if self.spool is None:
             return Found(self.verified.etag, self.size, data=self.data)
         file, data, sent = self.spool.source()
@@ -155,6 +160,8 @@ class Filled:
     def close(self) -> None:
         if self.spool is not None:
             self.spool.discard()
+        if self.file is not None:
+            self.file.close()
 
 
 class _Fill:
@@ -254,7 +261,8 @@ class Filler:
         :class:`FetchError` when it cannot be had."""
         if revalidated(info, self.trust):
             return await self._revalidated(key, info)
-        entry = self.cache.lookup(key)
+        # a worker of several also finds what its siblings cached (a meta file's read)
+        entry = self.cache.lookup(key) or self.cache.load(key)
         if entry is not None:
             found = await self._open_cached(entry, info)
             if found is not None:
@@ -367,6 +375,13 @@ class Filler:
         after a start, or a file someone changed), a piece at a time."""
         try:
             f = open(entry.path, "rb")  # noqa: SIM115 (handed to the response, which closes it)
+        except FileNotFoundError:
+            if self.cache.shared is not None:  # a sibling worker evicted it: a plain miss
+                self.cache.forget(entry.key)
+                return None
+            log.warning("cached copy of %s vanished, refetching", entry.key)
+            self.cache.drop(entry.key)
+            return None
         except OSError as exc:
             log.warning("cached copy of %s is unreadable, refetching: %s", entry.key, exc)
             self.cache.drop(entry.key)
@@ -417,6 +432,30 @@ class Filler:
         fill.close_if_unused()
 
     async def _fill(self, key: str, info: KeyInfo) -> Filled:
+        shared = self.cache.shared
+        if shared is None or revalidated(info, self.trust):
+            return await self._fill_here(key, info)
+        # Coalescing across worker processes: the worker holding the key's lock fetches
+        # it; the others wait for the lock, then find the copy it cached. Polled, so
+        # that no thread blocks on it (the pool's threads verify and write for others).
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        delay = 0.002
+        while not shared.try_key(digest):
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.05)
+        try:
+            entry = self.cache.load(key)
+            if entry is not None:
+                found = await self._open_cached(entry, info)
+                if found is not None:
+                    self.metrics.worker_coalesced += 1
+                    verified = Verified(etag=found.etag, immutable=True)
+                    return Filled(verified, found.size, file=found.take_file())
+            return await self._fill_here(key, info)
+        finally:
+            shared.release_key(digest)
+
+    async def _fill_here(self, key: str, info: KeyInfo) -> Filled:
         spool, verified, data = await self._fetch(key, info)
         if not revalidated(info, self.trust):
             # immutable: the verified spool becomes the cached copy (unless it cannot

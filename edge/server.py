@@ -44,6 +44,7 @@ from .s3api import (
 )
 from .s3auth import S3Keys
 from .shaping import LinkShaper
+from .shared import summed_counters, write_counters
 from .verify import cache_control, check_key
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,13 @@ class Edge:
         s3_keys: S3Keys | None = None,
         max_stale_s: float = MAX_STALE_S,
         admin_open: bool = True,
+        worker: str | None = None,
     ) -> None:
         self.cache = cache
+        # one of several worker processes (named ``worker``) on a shared cache folder:
+        # its counters go to the folder, and /metrics answers every worker's sum
+        self.worker = worker
+        self._publishing: asyncio.Task[None] | None = None
         self.origins = origins
         self.trust = trust
         self.access = Access(read_token, admin_token, s3_keys, admin_open=admin_open)
@@ -108,9 +114,15 @@ class Edge:
 
     async def _start(self, app: web.Application) -> None:
         await self.admin.start()
+        if self.worker is not None:
+            self._publishing = asyncio.get_running_loop().create_task(self._publish_often())
 
     async def _close(self, app: web.Application) -> None:
+        if self._publishing is not None:
+            self._publishing.cancel()
         await self.fill.finish_writes(timeout_s=10)
+        if self.worker is not None:
+            self._publish()  # the last counts of a worker that stops
         await self.admin.close()
         for origin in self.origins:
             await origin.close()
@@ -129,7 +141,25 @@ class Edge:
         return web.Response(text="ok\n")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.prometheus(self.cache), content_type="text/plain")
+        summed = None
+        if self.worker is not None:  # this worker's counts fresh, its siblings' <= 1 s old
+            self._publish()
+            summed = summed_counters(self.cache.root / "workers")
+        text = self.metrics.prometheus(self.cache, summed)
+        return web.Response(text=text, content_type="text/plain")
+
+    def _publish(self) -> None:
+        assert self.worker is not None
+        try:
+            write_counters(self.cache.root / "workers", self.worker,
+                           self.metrics.counters(self.cache))  # fmt: skip
+        except OSError as exc:
+            log.warning("cannot write this worker's counters: %s", exc)
+
+    async def _publish_often(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._publish()
 
     # ---- serving -------------------------------------------------------------
     async def serve(self, request: web.Request) -> web.StreamResponse:
@@ -227,6 +257,7 @@ def run(
     *,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
     max_connections: int | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serve until SIGINT or SIGTERM; :class:`InputError` when the address cannot be
     listened on.
@@ -236,18 +267,20 @@ def run(
     opened or after its last response is closed, and beyond ``max_connections``
     open ones (default: :func:`connection_limit`) a new one is answered 503. A
     malformed request costs one short log line, at most :data:`BAD_REQUEST_LINES`
-    of them a minute."""
+    of them a minute. ``reuse_port``: the socket is bound with ``SO_REUSEPORT``, so
+    that the worker processes of one edge listen on one port, the kernel spreading
+    new connections across them."""
     logging.getLogger("aiohttp.server").addFilter(_BadRequestLines())
     limit = max_connections or connection_limit()
     try:
-        asyncio.run(_serve(edge, host, port, idle_timeout_s, limit))
+        asyncio.run(_serve(edge, host, port, idle_timeout_s, limit, reuse_port))
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise InputError(f"cannot listen on {host}:{port}: {reason}") from None
 
 
-async def _serve(edge: Edge, host: str, port: int, idle_timeout_s: float, limit: int
-                 ) -> None:  # fmt: skip
+async def _serve(edge: Edge, host: str, port: int, idle_timeout_s: float, limit: int,
+                 reuse_port: bool = False) -> None:  # fmt: skip
     runner = web.AppRunner(
         edge.app(),
         handle_signals=False,
@@ -265,7 +298,7 @@ async def _serve(edge: Edge, host: str, port: int, idle_timeout_s: float, limit:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await _LimitedSite(runner, host, port, limit).start()
+        await _LimitedSite(runner, host, port, limit, reuse_port=reuse_port).start()
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -286,8 +319,9 @@ class _LimitedSite(web.TCPSite):
 
     __slots__ = ("_limit",)
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, limit: int) -> None:
-        super().__init__(runner, host, port, backlog=1024)
+    def __init__(self, runner: web.AppRunner, host: str, port: int, limit: int, *,
+                 reuse_port: bool = False) -> None:  # fmt: skip
+        super().__init__(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
         self._limit = limit
 
     async def start(self) -> None:

@@ -95,6 +95,8 @@ class EdgeProcess:
             "--origin-timeout",
             "5",
             *(["--endpoint-url", endpoint] if endpoint else []),
+            # one process unless a test asks for workers: the default is one per core
+            *([] if "--workers" in extra else ["--workers", "1"]),
             *extra,
         ]
         self.proc: subprocess.Popen | None = None

@@ -1,0 +1,118 @@
+"""``kvcdn edge serve --workers N``: N worker processes, one port, one cache folder.
+
+The process the user starts is a supervisor: it rebuilds the cache folder once
+(removing interrupted writes, evicting down to ``--max-bytes``, counting what is
+left into the shared ledger, see :mod:`.shared`), then starts N workers, each
+``kvcdn edge serve`` with the same options and a worker name. Each worker binds
+the port with ``SO_REUSEPORT``, so the kernel spreads new connections across
+them (no shared accept queue, no thundering herd), and serves on its own event
+loop with its own memory bounds. The supervisor restarts a worker that dies
+(giving up on one that keeps dying within seconds of its start), and on SIGTERM
+or SIGINT asks every worker to stop, as a single edge would, and waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: A worker that exits sooner than this after its start, this many times in a row,
+#: is not started again: it cannot serve (a port taken by another program, ...).
+QUICK_EXIT_S = 3.0
+QUICK_EXITS = 5
+STOP_WAIT_S = 20.0
+
+
+def available_cores() -> int:
+    """The CPUs this process may run on (its affinity, which containers set)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_command(argv: list[str], name: str) -> list[str]:
+    """``argv`` (a ``kvcdn edge serve`` command line, the program's name left out) run
+    as the worker ``name``: the options given last win in click."""
+    return [sys.executable, "-m", "kvcdn.cli.main", *argv, "--workers", "1", "--worker-name",
+            name]  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    """(In the worker, before exec.) Linux: a worker gets SIGTERM when its supervisor
+    dies, even by SIGKILL, rather than serving on, unsupervised."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def supervise(command: Callable[[str], list[str]], workers: int, counters: Path) -> int:
+    """Run ``workers`` worker processes (``command(name)`` starts the one named
+    ``name``) until SIGTERM or SIGINT; the exit status. ``counters`` is the folder
+    of the workers' counters, emptied first: a new edge counts from zero."""
+    counters.mkdir(parents=True, exist_ok=True)
+    for old in counters.iterdir():
+        old.unlink(missing_ok=True)
+    stop = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    procs: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
+    starts = [0] * workers
+    quick = [0] * workers
+
+    def start(slot: int) -> None:
+        starts[slot] += 1
+        name = f"{slot}-{starts[slot]}"  # a restarted worker's counters are a new file
+        proc = subprocess.Popen(command(name), preexec_fn=_die_with_parent)
+        procs[slot] = (proc, time.monotonic())
+        log.info("started worker %s (pid %d)", name, proc.pid)
+
+    status = 0
+    try:
+        for slot in range(workers):
+            start(slot)
+        while not stop:
+            time.sleep(0.2)
+            for slot, (proc, started) in list(procs.items()):
+                code = proc.poll()
+                if code is None or stop:
+                    continue
+                quick[slot] = quick[slot] + 1 if time.monotonic() - started < QUICK_EXIT_S else 0
+                if quick[slot] >= QUICK_EXITS:
+                    print(f"kvcdn edge: worker {slot} exited {QUICK_EXITS} times within "
+                          f"{QUICK_EXIT_S:g} s of its start (status {code}): stopping",
+                          file=sys.stderr)  # fmt: skip
+                    status = 1
+                    stop.append(0)
+                    break
+                print(f"kvcdn edge: worker {slot} (pid {proc.pid}) exited with status "
+                      f"{code}: starting it again", file=sys.stderr)  # fmt: skip
+                start(slot)
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for proc, _ in procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return status
