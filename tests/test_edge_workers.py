@@ -1,0 +1,164 @@
+"""`kvcdn edge serve --workers 2`: real worker processes behind one port, on one cache
+folder, in front of moto's S3 server (which counts the GETs that reach it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get
+
+PREFIX = "kv"
+
+
+@pytest.fixture
+def origin(moto_endpoint):
+    o = MotoOrigin(moto_endpoint, PREFIX)
+    o.objects = dict(chunk_object(i) for i in range(31, 37))
+    for key, data in o.objects.items():
+        o.client.put_object(Bucket=o.bucket, Key=f"{PREFIX}/{key}", Body=data)
+    yield o
+    o.stop_recording()
+
+
+def _workers(pid: int) -> set[int]:
+    """The supervisor's child processes (its workers)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return {int(c) for c in children}
+
+
+def _start(origin: MotoOrigin, cache: Path, *extra: str) -> EdgeProcess:
+    node = EdgeProcess(origin.url, cache, origin.endpoint, "--workers", "2", *extra).start()
+    deadline = time.monotonic() + 30
+    # both workers listening: each writes its counters within a second of its start
+    while len(list((cache / "workers").glob("*.json"))) < 2:
+        assert time.monotonic() < deadline, "the workers did not both start"
+        time.sleep(0.1)
+    return node
+
+
+def _on_disk(cache: Path) -> int:
+    return sum(
+        p.stat().st_size
+        for p in (cache / "objects").glob("*/*")
+        if p.suffix != ".meta" and not p.name.startswith(".")
+    )
+
+
+def _until(check, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+    return found
+
+
+def test_two_workers_fetch_a_cold_object_once_and_sum_their_metrics(origin, tmp_path):
+    cache = tmp_path / "cache"
+    node = _start(origin, cache)
+    try:
+        key, data = next(iter(origin.objects.items()))
+        origin.start_recording()
+        # each request a new connection: the kernel spreads them over both workers
+        with ThreadPoolExecutor(48) as pool:
+            results = list(pool.map(lambda _: get(f"{node.url}/{key}"), range(48)))
+        assert all(status == 200 and body == data for status, _, body in results)
+        assert origin.origin_gets(key) == 1  # counted by the origin itself
+
+        with ThreadPoolExecutor(8) as pool:
+            assert all(r[0] == 200 for r in pool.map(lambda _: get(f"{node.url}/{key}"),
+                                                      range(40)))  # fmt: skip
+        per_worker = [json.loads(p.read_text()) for p in (cache / "workers").glob("*.json")]
+        assert len(per_worker) == 2
+
+        def summed() -> dict[str, float] | None:
+            m = node.metrics()
+            served = (m["kvcdn_edge_hits_total"] + m["kvcdn_edge_misses_total"]
+                      + m["kvcdn_edge_coalesced_waiters_total"])  # fmt: skip
+            return m if served == 88 else None  # a sibling's counts are <= 1 s old
+
+        m = _until(summed)
+        assert m['kvcdn_edge_responses_total{code="200"}'] >= 88
+        assert m["kvcdn_edge_origin_fetch_seconds_count"] == 1
+        per_worker = [json.loads(p.read_text()) for p in (cache / "workers").glob("*.json")]
+        hits = [w["kvcdn_edge_hits_total"] for w in per_worker]
+        assert all(h > 0 for h in hits), hits  # both workers served, and both are counted
+        assert m["kvcdn_edge_hits_total"] == sum(hits)
+    finally:
+        node.kill()
+    assert node.proc is not None and node.proc.returncode == 0
+
+
+def test_two_workers_keep_the_folder_under_max_bytes(origin, tmp_path):
+    cache = tmp_path / "cache"
+    size = len(next(iter(origin.objects.values())))
+    limit = int(size * 2.5)
+    node = _start(origin, cache, "--max-bytes", str(limit))
+    try:
+        items = list(origin.objects.items())
+        for round_ in range(2):  # all at once (both workers write), then one at a time
+            if round_ == 0:
+                with ThreadPoolExecutor(6) as pool:
+                    got = list(pool.map(lambda kv: get(f"{node.url}/{kv[0]}")[2], items))
+                assert got == [data for _, data in items]
+            else:
+                for key, data in items:
+                    assert get(f"{node.url}/{key}")[2] == data
+                    assert _on_disk(cache) <= limit
+            _until(lambda: not list((cache / "objects").glob("*/.*")))  # writes settled
+            assert _on_disk(cache) <= limit
+        m = node.metrics()
+        assert m["kvcdn_edge_cache_bytes"] <= limit
+        assert m["kvcdn_edge_cache_bytes"] == _on_disk(cache)  # the shared ledger is exact
+        assert m["kvcdn_edge_evictions_total"] >= len(items) - 2
+    finally:
+        node.kill()
+
+
+def test_a_killed_worker_is_started_again_and_requests_keep_being_served(origin, tmp_path):
+    cache = tmp_path / "cache"
+    node = _start(origin, cache)
+    assert node.proc is not None
+    try:
+        key, data = next(iter(origin.objects.items()))
+        assert get(f"{node.url}/{key}")[2] == data
+        before = _workers(node.proc.pid)
+        assert len(before) == 2
+        victim = min(before)
+        os.kill(victim, signal.SIGKILL)
+        # Connections the kernel queued at the dying worker's socket are reset, as with
+        # nginx's `reuseport`; once its socket is gone the other worker takes them all.
+        _until(lambda: not Path(f"/proc/{victim}/fd").exists()
+               or not list(Path(f"/proc/{victim}/fd").iterdir()))  # fmt: skip
+        for _ in range(20):
+            assert get(f"{node.url}/{key}")[2] == data
+        after = _until(lambda: (w := _workers(node.proc.pid)) - before and len(w) == 2 and w)
+        assert victim not in after
+        _until(lambda: len(list((cache / "workers").glob("*.json"))) == 3)  # the new one too
+        for _ in range(10):
+            assert get(f"{node.url}/{key}")[2] == data
+    finally:
+        workers = _workers(node.proc.pid)
+        node.kill()  # SIGTERM: the supervisor stops its workers and exits
+    assert node.proc.returncode == 0
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status"
+                                                                     ).read_text()  # fmt: skip
+
+
+def test_workers_must_be_at_least_one(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvcdn.cli.main", "edge", "serve", "--origin", str(tmp_path),
+         "--cache-dir", str(tmp_path / "c"), "--workers", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--workers" in result.stderr and "0" in result.stderr
