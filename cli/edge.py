@@ -300,15 +300,15 @@ def _check_port_free(host: str, port: int) -> None:
     SO_REUSEPORT bind would fail alone, and be restarted in vain)."""
     import socket
 
+    from kvcdn.errors import InputError
+
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
         with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(infos[0][4])
     except OSError as exc:
-        raise click.ClickException(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-        ) from None
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _is_loopback(host: str) -> bool:

@@ -274,7 +274,9 @@ class Filler:
         """Make ``key`` cached: ("cached", 0) if it was, else ("fetched", its size)."""
         info = check_key(key)
         assert info is not None  # warm requests are checked on arrival
-        if not revalidated(info, self.trust) and self.cache.lookup(key) is not None:
+        if not revalidated(info, self.trust) and (
+            self.cache.lookup(key) or self.cache.load(key)  # a sibling worker's counts too
+        ):
             return "cached", 0
         try:
             found = await self._miss(key, info)
