@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from .loader import (
     resolve_manifest,
 )
 from .planner import INITIAL_BPS, HarmonicPredictor, Policy, ThroughputPredictor, plan
+from .stats import ReaderStats, lookup_failure
 from .targets import CacheTarget, TensorTarget
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,9 @@ class Client:
         self._reader_lock = threading.Lock()
         self._caches = _Caches(max_models)
         self._owns_caches = True  # False for a client made by with_options
+        #: What this client's lookups and loads did (docs/sdk.md): ``snapshot()`` for its
+        #: totals, or ``prometheus_client.REGISTRY.register(client.stats)``.
+        self.stats = ReaderStats(self._edges or ())
         # a reader the caller made is the caller's to close
         self._owns_reader = edges is not None or store is None or isinstance(store, str)
         if checks.flag(warm, "warm"):
@@ -179,6 +183,8 @@ class Client:
         )  # fmt: skip
         other._caches = self._caches
         other._owns_caches = False
+        other.stats = self.stats  # one app's figures, whichever store each load read
+        self.stats.add_edges(other._edges or ())
         return other
 
     # ---- what the client holds ---------------------------------------------------
@@ -282,9 +288,7 @@ class Client:
         # the pointer and the manifest are read within the deadline (asked at each read:
         # resolving a document's text loads the model first, off the clock)
         timed = TimedReader(load.reader.within(clock.deadline))
-        manifest, loaded, model_s = resolve_manifest(
-            source, timed, model_off_the_clock, model, self.trust
-        )
+        manifest, loaded, model_s = load.resolve(source, timed, model_off_the_clock, model)
         started += model_s  # loading the model is a one-off cost, not part of resolving
         if loaded is None:
             t = time.perf_counter()
@@ -366,9 +370,7 @@ class Client:
         loaded = model if isinstance(model, LoadedModel) else None
         manifests: list[Manifest] = []
         for source in sources:
-            manifest, got, model_s = resolve_manifest(
-                source, load.reader, self.model, loaded or model, self.trust
-            )
+            manifest, got, model_s = load.resolve(source, load.reader, self.model, loaded or model)
             started += model_s  # loading the model is a one-off cost, not part of the load
             loaded = loaded or got
             manifests.append(manifest)
@@ -501,12 +503,31 @@ class _Loading:
         refine: bool = True,
     ) -> LoadPlan:
         caches = self.client._caches
-        return load_into(
+        plan_ = load_into(
             target, manifest, loaded, self.reader, quality=quality, deadline_s=deadline_s,
             started=started, seconds=seconds, predictor=predictor, policy=policy or plan,
             cancel_late_fetches=cancel_late_fetches, refine=refine, profiles=caches.profiles,
             speeds=caches.speeds, rejected_since=self._rejected_before,
         )  # fmt: skip
+        self.client.stats.load(plan_.chunks, plan_.ready_s,
+                               refinements_dropped=plan_.refinements_dropped)  # fmt: skip
+        return plan_
+
+    def resolve(
+        self, source: str | Path, reader: Reader, model_of: Callable[[str | None], LoadedModel],
+        model: str | LoadedModel | None,
+    ) -> tuple[Manifest, LoadedModel | None, float]:  # fmt: skip
+        """:func:`resolve_manifest`, counted in the client's stats as a lookup (its time
+        less the model's loading)."""
+        stats, t = self.client.stats, time.perf_counter()
+        try:
+            manifest, loaded, model_s = resolve_manifest(source, reader, model_of, model,
+                                                         self.client.trust)  # fmt: skip
+        except BaseException as exc:
+            stats.lookup(*lookup_failure(exc), seconds=time.perf_counter() - t)
+            raise
+        stats.lookup("hit", seconds=time.perf_counter() - t - model_s)
+        return manifest, loaded, model_s
 
 
 def _check_same_model(manifests: list[Manifest]) -> None:

@@ -90,6 +90,16 @@ class ChunkReport:
     #: The levels it held before refinements raised it to ``level``, in order (a
     #: nested object's further tiers, fetched once it was loaded).
     refined_from: list[str] = field(default_factory=list)
+    #: Why a chunk recomputed or skipped was not loaded (:data:`RECOMPUTE_REASONS`); ""
+    #: for a loaded one.
+    recompute_reason: str = ""
+
+
+#: Why a chunk is recomputed (by the engine, or from its tokens) instead of loaded: its
+#: object was missing, damaged, untrusted, unreachable, or late; the plan found computing
+#: it cheaper; an earlier chunk of an engine's prefix failed (what follows it is computed).
+RECOMPUTE_REASONS = ("missing", "corrupt", "refused", "unreachable", "late", "planned",
+                     "after_failure")  # fmt: skip
 
 
 @dataclass
@@ -130,6 +140,7 @@ class _Chunk:
     abandoned: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     unusable: set[str] = field(default_factory=set)  # levels that failed for this chunk
+    why: str = ""  # the kind of its last failure (failure_kind)
     # refinement (a loaded chunk of a nested object raised to a better level)
     held: PartRead | None = None  # its read, kept while a refinement may extend it
     refining: Option | None = None  # the level a refinement under way brings it to
@@ -191,6 +202,19 @@ def failure_reason(error: KvcdnError, key: str = "") -> str:
     if isinstance(error, (FormatError, TrustError)):
         return f"damaged ({_first_line(error, key)})"
     return f"could not be read ({_first_line(error, key)})"
+
+
+def failure_kind(error: BaseException) -> str:
+    """A failure as one of :data:`RECOMPUTE_REASONS`."""
+    if isinstance(error, NotFound):
+        return "missing"
+    if isinstance(error, DeadlineExceeded):
+        return "late"
+    if isinstance(error, TrustError):
+        return "refused"
+    if isinstance(error, FormatError):
+        return "corrupt"
+    return "unreachable"
 
 
 def _first_line(error: BaseException, key: str, limit: int = 160) -> str:
@@ -462,7 +486,8 @@ class Pipeline:
             if c.state is _State.SKIPPED:
                 reports.append(
                     ChunkReport(c.entry.index, c.entry.end - c.entry.start, SKIPPED, "", 0,
-                                c.start_s, 0.0, 0.0, c.abandoned, c.failed)  # fmt: skip
+                                c.start_s, 0.0, 0.0, c.abandoned, c.failed,
+                                recompute_reason=c.why or "late")  # fmt: skip
                 )
                 continue
             assert c.option is not None
@@ -480,6 +505,7 @@ class Pipeline:
                     abandoned=c.abandoned,
                     failed=c.failed,
                     refined_from=c.refined_from,
+                    recompute_reason=(c.why or "planned") if c.option.level == TEXT else "",
                 )
             )
         loaded = next(
@@ -558,6 +584,7 @@ class Pipeline:
                 if chunk.state is _State.DEVICE:
                     device_busy = False
                     self._device_task = None
+                chunk.why = failure_kind(event.error)
                 self._skip_from(chunk.entry.index, failed=chunk)
                 continue
             if isinstance(event, _Fetched):
@@ -590,6 +617,8 @@ class Pipeline:
             c.attempt += 1  # news from its fetch is ignored
             c.state = _State.SKIPPED
             c.data = b""
+            if c is not failed:
+                c.why = "after_failure" if failed is not None else "late"
 
     def _drop_level(self, c: _Chunk, error: BaseException) -> None:
         """A level of ``c`` failed (its fetch, its check or its decode): plan the chunk
@@ -600,6 +629,7 @@ class Pipeline:
         log.warning("chunk %d of %s: its %s object cannot be used (%s); loading it another "
                     "way", c.entry.index, self.manifest.ref, level, error)  # fmt: skip
         c.failed.append(f"{level}: {failure_reason(error, c.entry.objects[level].key)}")
+        c.why = failure_kind(error)
         c.unusable.add(level)
         c.cancel.set()
         c.cancel = Cancel()
