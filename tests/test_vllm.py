@@ -9,6 +9,7 @@ One engine serves the whole module (tests/vllm_driver.py, 20-40 s to start); the
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
@@ -41,6 +42,8 @@ pytestmark = [
 ]
 
 QUESTION = "What does the -n option of sed do?"
+TENANT_A = "tenant-a salt"  # configured as the salt itself
+TENANT_B = "tenant-b salt"  # configured as sha256:HEX of it
 #: How vLLM prefixes its own log lines: kvcdn's lines inside vLLM carry the same fields.
 VLLM_LINE = re.compile(r"^\(\S+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d "
                        r"\[[\w.]+:\d+\] ")
@@ -80,13 +83,13 @@ class Engine:
 
     def ask(self, prompt_ids: list[int], *, reset: bool = True,
             beside: list[list[int]] | None = None, capture: bool = False,
-            **params) -> dict:  # fmt: skip
+            cache_salt: str | None = None, **params) -> dict:  # fmt: skip
         """One request (``params``: its kv_transfer_params), and ``beside`` it in the same
         batch, plain requests kvcdn keeps out of; with ``capture``, its prompt's KV is
         captured (the reply's ``capture`` names it in the engine's capture folder)."""
         assert self.proc.stdin is not None
         line = {"prompt_ids": prompt_ids, "params": params, "reset_prefix_cache": reset,
-                "beside": beside or [], "capture": capture}  # fmt: skip
+                "beside": beside or [], "capture": capture, "cache_salt": cache_salt}  # fmt: skip
         self.proc.stdin.write(json.dumps(line) + "\n")
         self.proc.stdin.flush()
         return self.read_reply()
@@ -132,9 +135,13 @@ def engine(tmp_path_factory, store_dir, model):
     from kvcdn.models import model_folder
 
     # synchronous loads in layer order (4 groups of the model's 30 layers), beside the
-    # forward pass; INFO: kvcdn's line for each layer-ordered load is checked
+    # forward pass; INFO: kvcdn's line for each layer-ordered load is checked. Two
+    # tenants: one reads an empty store, one (named by its salt's digest) the same store.
+    empty = tmp_path_factory.mktemp("tenant-a-store")
+    tenants = {TENANT_A: {"store": str(empty)},
+               f"sha256:{hashlib.sha256(TENANT_B.encode()).hexdigest()}": {"store": str(store_dir)}}
     extra = {"store": str(store_dir), "model": "smollm2-135m", "lookup_ttl_s": 0,
-             "layer_groups": 4}  # fmt: skip
+             "layer_groups": 4, "tenants": tenants}  # fmt: skip
     with _engine(tmp_path_factory.mktemp("vllm-engine"), model_folder("smollm2-135m"),
                  extra, env={"VLLM_LOGGING_LEVEL": "INFO"}) as engine:  # fmt: skip
         yield engine
@@ -185,6 +192,23 @@ def test_fp16_load_answers_as_vllms_own_prefill(engine, model, sed_prompt, basel
     assert len(out["token_ids"]) == 32
     # a synchronous load ran in layer groups beside the forward pass, which waited for each
     assert engine.log.read_text().count(layered) == before + (mode != "async")
+
+
+def test_cache_salts_read_only_their_tenants_store(engine, model, sed_prompt, baseline):
+    """vLLM's ``cache_salt`` picks the store a request reads: a tenant whose store lacks
+    the document gets nothing, a salt no tenant has gets nothing, a tenant whose store
+    has it loads it as an unsalted request does; no salt is written to the log."""
+    claimed = (_published_tokens(model) - 1) // 256 * 256
+    for salt in (TENANT_A, "a salt of nobody's"):
+        out = engine.ask(sed_prompt, cache_salt=salt, kvcdn_quality="fp16")
+        assert out["num_cached_tokens"] == 0 and out["kv_transfer_params"] is None, salt
+        assert out["token_ids"] == baseline["token_ids"]
+    out = engine.ask(sed_prompt, cache_salt=TENANT_B, kvcdn_quality="fp16")
+    assert out["num_cached_tokens"] == claimed
+    assert out["kv_transfer_params"]["kvcdn"]["loaded_tokens"] == claimed
+    assert out["token_ids"] == baseline["token_ids"]
+    log = engine.log.read_text()
+    assert TENANT_B not in log and "nobody's" not in log
 
 
 def _kl(p_logprobs: dict[str, float], q_logprobs: dict[str, float]) -> float:
@@ -401,14 +425,16 @@ def _chat(base: str, text: str, question: str, **extra) -> tuple[list[str], floa
 
 def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path):
     """`vllm serve` with the connector reading a store on S3 (moto) through two edge
-    processes; one edge is killed between requests, and documents still load."""
+    processes; one edge is killed between requests, and documents still load. vLLM's
+    ``/metrics``, scraped over HTTP, counts what kvcdn did."""
+    from kvcdn.catalog import read_manifest
     from kvcdn.models import model_folder
     from tests.edge_helpers import EdgeProcess, MotoOrigin
 
     origin = MotoOrigin(moto_endpoint, "kv")
-    publish(SED_MANUAL, name="sed", model=model,
-            store=open_store(origin.url, endpoint_url=moto_endpoint),
-            levels="fp16,default")  # fmt: skip
+    store = open_store(origin.url, endpoint_url=moto_endpoint)
+    result = publish(SED_MANUAL, name="sed", model=model, store=store, levels="fp16,default")
+    manifest = read_manifest(store, result.name, result.version)
     edges = [
         EdgeProcess(origin.url, tmp_path / f"edge{i}", moto_endpoint).start() for i in range(2)
     ]
@@ -463,6 +489,7 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
             # the answer starts as vLLM's own (fp16 KV from transformers' fp32 prefill
             # is not bf16-identical to vLLM's, so long greedy answers may part later)
             assert got[:4] == own[:4], ("".join(got), "".join(own))
+        _metrics_count_the_loads(base, manifest, shared, [e.url for e in edges])
     finally:
         server.terminate()
         try:
@@ -471,6 +498,43 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
             server.kill()
         for edge in edges:
             edge.kill()
+
+
+def _metrics_count_the_loads(base: str, manifest, shared: int, edges: list[str]) -> None:
+    """Two requests loaded ``shared`` tokens at fp16 through the edges (or the origin):
+    vLLM's /metrics says so, with its own model and engine labels; the requests sent
+    with ``kvcdn_load: false`` were never looked up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    chunks = shared // 256
+    fp16_bytes = sum(c.objects["fp16"].bytes for c in manifest.chunks[:chunks])
+    samples: list = []
+
+    def total(name: str, **labels: str) -> float:
+        return sum(s.value for s in samples if s.name == name
+                   and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+
+    deadline = time.monotonic() + 30
+    while True:  # vLLM's metrics process records a step's stats after its output
+        text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        samples[:] = [s for f in text_string_to_metric_families(text) for s in f.samples
+                      if s.name.startswith("kvcdn_")]  # fmt: skip
+        if total("kvcdn_loaded_tokens_total") >= 2 * shared or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(s.labels.get("model_name") == "kvcdn-model" and s.labels.get("engine") == "0"
+               for s in samples)  # fmt: skip
+    assert total("kvcdn_lookups_total", result="hit") == 2
+    assert total("kvcdn_lookups_total") == 2
+    assert total("kvcdn_claimed_tokens_total") == 2 * shared
+    assert total("kvcdn_loaded_tokens_total") == 2 * shared
+    assert total("kvcdn_chunks_total", level="fp16") == total("kvcdn_chunks_total") == 2 * chunks
+    assert total("kvcdn_read_bytes_total", level="fp16") == 2 * fp16_bytes
+    sources = {s.labels["source"] for s in samples if s.name == "kvcdn_read_bytes_total"}
+    assert sources and sources <= {*edges, "origin"}
+    assert total("kvcdn_recomputed_chunks_total") == 0
+    assert total("kvcdn_load_seconds_count") == 2
+    assert total("kvcdn_lookup_seconds_count") >= 1
 
 
 @pytest.mark.parametrize(
@@ -486,6 +550,11 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
         ({"load_mode": "fast"}, "load_mode must be one of auto, sync, async"),
         ({"layer_groups": 0}, "layer_groups must be an integer from 1"),
         ({"layer_groups": 2.5}, "layer_groups must be an integer from 1"),
+        ({"tenants": ["salt"]}, "tenants must map cache salts"),
+        ({"tenants": {"salt": {"stor": "/tmp/kv"}}}, r"tenant #1: unknown keys \['stor'\]"),
+        ({"tenants": {"salt": {"edges": []}}}, "tenant #1: store must be"),
+        ({"tenants": {"a": {"store": "/a"}, "b": {"store": "/b", "trust": 5}}},
+         "tenant #2: trust must be a string"),
     ],
 )
 def test_connector_configuration_mistakes_are_named(extra, problem):

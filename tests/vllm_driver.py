@@ -12,7 +12,8 @@ and, optionally, ``tensor_parallel_size``, ``pipeline_parallel_size``, ``dtype``
 ``max_model_len`` and ``compilation_config`` (given, it replaces ``enforce_eager``:
 pipeline stages after the first need vLLM's warm-up run, which eager mode skips on
 CPU). A request may bring ``beside``: more prompts (kvcdn kept out of them)
-scheduled with it in one batch; their replies come in ``beside``.
+scheduled with it in one batch; their replies come in ``beside``; ``cache_salt`` is the
+request's vLLM cache salt.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def main() -> None:
         )  # fmt: skip
         beside = ask.get("beside") or []
         prompts = [{"prompt_token_ids": ids} for ids in [ask["prompt_ids"], *beside]]
+        if ask.get("cache_salt") is not None:  # vLLM's tenant isolation of cached prefixes
+            prompts[0]["cache_salt"] = ask["cache_salt"]
         t = time.perf_counter()
         outs = llm.generate(prompts, [sampling] + [plain] * len(beside), use_tqdm=False)
         seconds = time.perf_counter() - t

@@ -4,7 +4,9 @@ the model the KV is for, the trust policy, and the reader (opened once)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,7 @@ from kvcdn.signing import TrustPolicy
 from .. import checks
 from ..bounded import BoundedReader
 from ..loader import AUTO, open_reader
+from ..stats import ReaderStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,6 +60,11 @@ class ConnectorConfig:
     #: layer order, beside the forward pass, which waits per layer (1: whole, before it;
     #: docs/vllm.md says when more pays).
     layer_groups: int = 1
+    #: vLLM's ``cache_salt`` -> what a salted request reads: ``{"sha256:HEX" (of the salt;
+    #: or the salt itself): {"store": ..., "endpoint_url", "edges", "edge_token",
+    #: "trust"}}``. A salted request with no entry gets nothing from kvcdn; unsalted
+    #: requests read ``store`` (docs/vllm.md, "Tenants").
+    tenants: dict[str, dict[str, Any]] | None = None
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -89,7 +97,61 @@ class ConnectorConfig:
             raise KvcdnError("chunk_tokens must be an integer of at least 16")
         if type(config.layer_groups) is not int or not 1 <= config.layer_groups <= 1024:
             raise KvcdnError("layer_groups must be an integer from 1 to 1024")
+        tenant_sources(config.tenants)  # checked here: a mistake is named at start
         return config
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one tenant's documents are read from, and whose signatures it trusts."""
+
+    store: str | None
+    endpoint_url: str | None = None
+    edges: list[str] | None = None
+    edge_token: str | None = None
+    trust: str | None = None
+
+
+_SALT_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
+
+
+def tenant_key(salt: str) -> str:
+    """What a tenant is known by: the sha256 of its salt (a salt is a secret; its
+    digest can be logged, sent to workers and written in a configuration)."""
+    return hashlib.sha256(salt.encode()).hexdigest()
+
+
+def tenant_sources(tenants: Any) -> dict[str, Source]:
+    """``tenants`` checked, by :func:`tenant_key`."""
+    if tenants is None:
+        return {}
+    if not isinstance(tenants, dict):
+        raise KvcdnError("tenants must map cache salts (or sha256:HEX of them) to stores")
+    out: dict[str, Source] = {}
+    for n, (salt, entry) in enumerate(tenants.items()):
+        where = f"tenant #{n + 1}"  # never the salt itself: it is a secret
+        if not isinstance(salt, str) or not salt:
+            raise KvcdnError(f"{where}: a cache salt must be a non-empty string")
+        m = _SALT_DIGEST.match(salt)
+        key = m.group(1) if m else tenant_key(salt)
+        if not isinstance(entry, dict):
+            raise KvcdnError(f"{where}: must be an object with a store")
+        unknown = sorted(set(entry) - set(Source.__dataclass_fields__))
+        if unknown:
+            raise KvcdnError(f"{where}: unknown keys {unknown}")
+        source = Source(**{"store": None, **entry})
+        if not isinstance(source.store, str) or not source.store:
+            raise KvcdnError(f"{where}: store must be a store URL or folder")
+        for name in ("endpoint_url", "edge_token", "trust"):
+            if getattr(source, name) is not None and not isinstance(getattr(source, name), str):
+                raise KvcdnError(f"{where}: {name} must be a string")
+        if source.edges is not None and (not isinstance(source.edges, list)
+                                         or not all(isinstance(e, str) for e in source.edges)):
+            raise KvcdnError(f"{where}: edges must be a list of edge URLs")  # fmt: skip
+        if key in out:
+            raise KvcdnError(f"{where}: the same salt as another tenant")
+        out[key] = source
+    return out
 
 
 def seconds(value: Any, *, zero: bool = False) -> float | None:
@@ -104,7 +166,8 @@ def seconds(value: Any, *, zero: bool = False) -> float | None:
 
 class ConnectorSetup:
     """What both roles set up from vLLM's configuration: the checked configuration, the
-    model the KV is for, the trust policy, and the reader (opened once, on first use).
+    model the KV is for, and for each tenant (``""``: unsalted requests) its trust policy
+    and its reader (opened once, on first use).
 
     Anything wrong disables the connector, with one log line saying why: vLLM then
     serves as if kvcdn were absent (:attr:`disabled` holds the reason)."""
@@ -116,15 +179,20 @@ class ConnectorSetup:
         self.captures_enabled = bool(transfer.is_kv_producer)
         self.config = ConnectorConfig()
         self.identity: ModelIdentity | None = None
-        self.trust: TrustPolicy | None = None
         self.disabled: str | None = None
-        self._reader: BoundedReader | None = None
+        self._sources: dict[str, Source] = {}
+        self._trust: dict[str, TrustPolicy | None] = {}
+        self._readers: dict[str, BoundedReader] = {}
         self._reader_lock = threading.Lock()
         try:
             self.config = ConnectorConfig.parse(dict(transfer.kv_connector_extra_config or {}))
             self.identity = model_identity(self.config.model or vllm_config.model_config.model)
-            if self.config.trust:
-                self.trust = TrustPolicy.from_file(self.config.trust)
+            c = self.config
+            # unsalted requests read the main store (None: $KVCDN_STORE)
+            self._sources[""] = Source(c.store, c.endpoint_url, c.edges, c.edge_token, c.trust)
+            self._sources.update(tenant_sources(c.tenants))
+            for key, source in self._sources.items():
+                self._trust[key] = TrustPolicy.from_file(source.trust) if source.trust else None
             if self.config.chunk_tokens % self.block_size:
                 raise KvcdnError(
                     f"vLLM's block size {self.block_size} does not divide kvcdn's chunk size "
@@ -140,6 +208,9 @@ class ConnectorSetup:
                 raise KvcdnError(f"{self.identity.name}: {self.identity.unsupported}")
         except Exception as exc:  # the engine runs on without kvcdn, and says why
             self.disable(str(exc))
+        #: What this role's lookups and loads did, for vLLM's metrics (:mod:`.stats`).
+        edges = [e for source in self._sources.values() for e in source.edges or ()]
+        self.stats = ReaderStats(edges, keep_observations=True)
 
     @property
     def active(self) -> bool:
@@ -151,24 +222,43 @@ class ConnectorSetup:
             log.error("kvcdn connector disabled: %s", reason)
         self.disabled = reason
 
-    def reader(self) -> BoundedReader:
+    def tenant_of(self, cache_salt: str | None) -> str | None:
+        """The tenant a request with this ``cache_salt`` reads as (``""`` unsalted), or
+        None: kvcdn gives it nothing (a salt no tenant has)."""
+        key = "" if cache_salt is None else tenant_key(cache_salt)
+        return key if key in self._sources else None
+
+    @property
+    def trust(self) -> TrustPolicy | None:
+        """The unsalted requests' trust policy."""
+        return self._trust.get("")
+
+    def trust_of(self, tenant: str) -> TrustPolicy | None:
+        return self._trust.get(tenant)
+
+    def reader(self, tenant: str = "") -> BoundedReader:
+        """``tenant``'s reader (:meth:`tenant_of`), opened on first use."""
         with self._reader_lock:
-            if self._reader is None:
-                c = self.config
-                self._reader = open_reader(
-                    c.store, endpoint_url=c.endpoint_url, edges=c.edges,
-                    edge_token=c.edge_token, trust=self.trust,
+            reader = self._readers.get(tenant)
+            if reader is None:
+                s = self._sources.get(tenant)
+                if s is None:
+                    raise KvcdnError("no store is configured for these requests")
+                reader = self._readers[tenant] = open_reader(
+                    s.store, endpoint_url=s.endpoint_url, edges=s.edges,
+                    edge_token=s.edge_token, trust=self._trust[tenant],
                 )  # fmt: skip
-            return self._reader
+            return reader
 
     def open_reader_soon(self) -> None:
-        """Open the reader in a daemon thread: not on a request's clock (an exit need not
+        """Open the readers in a daemon thread: not on a request's clock (an exit need not
         wait for it; the first load meets an error there, and says so)."""
 
         def run() -> None:
-            try:
-                self.reader()
-            except Exception as exc:
-                log.warning("kvcdn: cannot open %s yet: %s", self.config.store, exc)
+            for tenant, source in self._sources.items():
+                try:
+                    self.reader(tenant)
+                except Exception as exc:
+                    log.warning("kvcdn: cannot open %s yet: %s", source.store, exc)
 
         threading.Thread(target=run, name="kvcdn-open", daemon=True).start()

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .config import ConnectorConfig, ConnectorSetup
 from .metadata import KvcdnMetadata
 from .scheduler import KvcdnScheduler
+from .stats import KvcdnConnectorStats, KvcdnPromMetrics
 from .worker import KvcdnWorker
 
 if TYPE_CHECKING:
@@ -126,6 +127,27 @@ class KvcdnConnector(KVConnectorBase_V1):
             return None
         meta = self._get_connector_metadata()
         return meta if isinstance(meta, KvcdnMetadata) else None
+
+    # ---- metrics (vLLM's /metrics and its periodic log line) -------------------------------
+    def get_kv_connector_stats(self) -> KvcdnConnectorStats | None:
+        """What this role recorded since vLLM last asked (each step)."""
+        drained = self.setup.stats.drain()
+        stats = KvcdnConnectorStats(data=drained)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcdnConnectorStats:
+        return KvcdnConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvcdnPromMetrics:
+        return KvcdnPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         role = self.scheduler or self.worker

@@ -26,6 +26,7 @@ class LoadSpec:
     quality: str
     deadline_s: float | None
     sync: bool = False
+    tenant: str = ""  # whose store it reads (ConnectorSetup.tenant_of; "": unsalted)
 
     def unfilled(self, loaded_to: int, block_size: int) -> set[int]:
         """The blocks vLLM must recompute after this load stopped at token ``loaded_to``."""

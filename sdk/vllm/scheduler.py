@@ -26,6 +26,7 @@ from kvcdn.manifest import Manifest
 
 from ..bounded import deadline_in
 from ..loader import AUTO, check_against_model
+from ..stats import lookup_failure
 from .config import (
     CAPTURE_PARAM,
     DEADLINE_PARAM,
@@ -67,6 +68,7 @@ class _Match:
     quality: str
     deadline_s: float | None
     sync: bool
+    tenant: str
 
 
 @dataclass
@@ -75,6 +77,15 @@ class _Lookup:
 
     future: Future[Manifest | None] = field(default_factory=Future)
     done_at: float = math.inf
+    outcome: tuple[str, str] = ("miss", "")  # its (result, reason) labels in the stats
+
+
+class _Refused(Exception):
+    """The document found is not one this connector loads (``reason``: a stats label)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -91,7 +102,7 @@ class KvcdnScheduler:
         self.setup = setup
         self.config = setup.config
         self.block_size = setup.block_size
-        self._lookups: dict[str, _Lookup] = {}  # by the first chunk's chain hash
+        self._lookups: dict[str, _Lookup] = {}  # by tenant and the first chunk's chain hash
         self._asked: dict[str, tuple[_Lookup, float]] = {}  # req_id -> its lookup, since
         self._matches: dict[str, _Match] = {}
         self._pending_loads: list[LoadSpec] = []
@@ -100,7 +111,7 @@ class KvcdnScheduler:
         # report its failed blocks steps before the last worker finishes the load
         self._failed_so_far: dict[str, set[int]] = {}
         self._sync_sent: dict[str, LoadSpec] = {}  # sync loads of the step in flight
-        self._sync_default: bool | None = None  # the connector's own choice
+        self._sync_default: dict[str, bool] = {}  # the connector's own choice, by tenant
         # With async scheduling (or pipeline parallelism) vLLM schedules step N+1
         # before step N's failed blocks are known: a request scheduled then could
         # reuse a block of a failed sync load (cached at allocation) before vLLM
@@ -129,6 +140,7 @@ class KvcdnScheduler:
             return self._matched(request, num_computed_tokens)
         except Exception as exc:
             log.warning("kvcdn: request %s computed by vLLM: %s", request.request_id, exc)
+            self.setup.stats.lookup("failed", "error")
             return 0, False
 
     def _matched(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
@@ -144,19 +156,26 @@ class KvcdnScheduler:
             # one load per request: after a load that fell short, vLLM computes the rest
             # (claiming again would fail the same way, over and over)
             return 0, False
+        tenant = self.setup.tenant_of(getattr(request, "cache_salt", None))
+        if tenant is None:  # a salt no tenant has: its timing must say nothing of any store
+            self.setup.stats.lookup("refused", "tenant")
+            return 0, False
         quality = params.get(QUALITY_PARAM, self.config.quality)
         deadline_s = params.get(DEADLINE_PARAM, self.config.deadline_s)
         if deadline_s is not None and seconds(deadline_s) is None:
             log.info("kvcdn: request %s: ignoring %s=%r", req_id, DEADLINE_PARAM, deadline_s)
             deadline_s = self.config.deadline_s
-        manifest = self._manifest(req_id, ids[:chunk], identity.fingerprint)
+        manifest = self._manifest(req_id, ids[:chunk], identity.fingerprint, tenant)
         if manifest is None:
             return (None, False) if req_id in self._asked else (0, False)
+        stats = self.setup.stats
         if not isinstance(quality, str) or (quality != AUTO and quality not in manifest.levels):
             log.info("kvcdn: request %s asks for quality %r, which %s does not have",
                      req_id, quality, manifest.ref)  # fmt: skip
+            stats.lookup("refused", "quality")
             return 0, False
-        sync = self._loads_sync(params.get(LOAD_MODE_PARAM), req_id)
+        stats.lookup("hit")
+        sync = self._loads_sync(params.get(LOAD_MODE_PARAM), req_id, tenant)
         shared = _common_prefix(ids, manifest.token_ids)
         # Whole blocks: vLLM counts a finished asynchronous load so. A synchronous load
         # could end inside a block, but the tokens after the last whole block are few,
@@ -167,25 +186,30 @@ class KvcdnScheduler:
             return 0, False
         if deadline_s is None:
             deadline_s = self._budget(end - num_computed)
-        self._matches[req_id] = _Match(manifest, num_computed, end, quality, deadline_s, sync)
+        self._matches[req_id] = _Match(manifest, num_computed, end, quality, deadline_s, sync,
+                                       tenant)  # fmt: skip
+        stats.inc("kvcdn_claimed_tokens", end - num_computed)
         return end - num_computed, not sync
 
-    def _manifest(self, req_id: str, first_chunk: list[int], fingerprint: str
+    def _manifest(self, req_id: str, first_chunk: list[int], fingerprint: str, tenant: str
                   ) -> Manifest | None:  # fmt: skip
         """The document the request's first chunk begins, if its lookup has answered; a
         request still waiting for it stays in ``_asked`` (vLLM asks again next step)."""
         now = time.monotonic()
+        stats = self.setup.stats
         waited = self._asked.get(req_id)
         if waited is None:
             if now < self._lookups_paused_until:
+                stats.lookup("failed", "late")
                 return None  # the store did not answer lately: no request waits for it
-            lookup = self._lookup_of(chain_hash(fingerprint, "", first_chunk), now)
+            lookup = self._lookup_of(tenant, chain_hash(fingerprint, "", first_chunk), now)
             waited = self._asked[req_id] = (lookup, now)
         lookup, asked = waited
         if not lookup.future.done():
             if now - asked < self.config.lookup_timeout_s:
                 return None
             self._asked.pop(req_id, None)
+            stats.lookup("failed", "late")
             if now >= self._lookups_paused_until:
                 log.warning("kvcdn: %s did not answer a document lookup in %g s; requests are "
                             "computed by vLLM without waiting for it for %g s",
@@ -194,6 +218,8 @@ class KvcdnScheduler:
             self._lookups_paused_until = now + LOOKUP_PAUSE_S
             return None
         self._asked.pop(req_id, None)
+        if lookup.outcome[0] != "hit":  # a hit is counted once the request is claimed
+            stats.lookup(*lookup.outcome)
         try:
             return lookup.future.result()
         except Exception as exc:
@@ -206,22 +232,26 @@ class KvcdnScheduler:
         per_token = self._seconds_per_token or 1.0 / PRIOR_PREFILL_TOKENS_PER_S
         return max(MIN_LOAD_BUDGET_S, tokens * per_token)
 
-    def _loads_sync(self, asked: Any, req_id: str) -> bool:
+    def _loads_sync(self, asked: Any, req_id: str, tenant: str) -> bool:
         """Whether this request's load is synchronous: where the connector's own choice
         is (``load_mode``); a request may ask for ``async``, never force ``sync`` (one
         request's synchronous load stalls every request in its step)."""
-        if self._sync_default is None:
+        default = self._sync_default.get(tenant)
+        if default is None:
             mode = self.config.load_mode
-            local = mode == "auto" and self.setup.reader().local
-            self._sync_default = self._sync_possible and (mode == "sync" or local)
+            local = mode == "auto" and self.setup.reader(tenant).local
+            default = self._sync_default[tenant] = self._sync_possible and (mode == "sync"
+                                                                            or local)  # fmt: skip
         if asked is not None and asked not in LOAD_MODES:
             log.info("kvcdn: request %s: ignoring %s=%r", req_id, LOAD_MODE_PARAM, asked)
-        return self._sync_default and asked != "async"
+        return default and asked != "async"
 
-    def _lookup_of(self, first_chunk_hash: str, now: float) -> _Lookup:
-        """The lookup of the document starting with this chunk: a recent one, or a new one."""
+    def _lookup_of(self, tenant: str, first_chunk_hash: str, now: float) -> _Lookup:
+        """The lookup of the document starting with this chunk in ``tenant``'s store: a
+        recent one, or a new one (never another tenant's)."""
         ttl = self.config.lookup_ttl_s
-        lookup = self._lookups.get(first_chunk_hash)
+        key = f"{tenant}/{first_chunk_hash}"
+        lookup = self._lookups.get(key)
         if lookup is not None and (not lookup.future.done() or now - lookup.done_at < ttl):
             return lookup
         if len(self._lookups) >= MAX_LOOKUPS:
@@ -229,37 +259,47 @@ class KvcdnScheduler:
         lookup = _Lookup()
 
         def run() -> Manifest | None:
+            started = time.perf_counter()
             try:
-                return self._lookup(first_chunk_hash)
+                manifest = self._lookup(tenant, first_chunk_hash)
+                lookup.outcome = ("hit", "") if manifest is not None else ("miss", "")
+                return manifest
+            except _Refused as exc:
+                log.warning("kvcdn: %s", exc)
+                lookup.outcome = ("refused", exc.reason)
+                return None
+            except BaseException as exc:
+                lookup.outcome = lookup_failure(exc)
+                raise
             finally:
+                self.setup.stats.observe("kvcdn_lookup_seconds", time.perf_counter() - started)
                 lookup.done_at = time.monotonic()
 
         lookup.future = self._lookup_pool.submit(run)
-        self._lookups[first_chunk_hash] = lookup
+        self._lookups[key] = lookup
         return lookup
 
-    def _lookup(self, first_chunk_hash: str) -> Manifest | None:
+    def _lookup(self, tenant: str, first_chunk_hash: str) -> Manifest | None:
         """The manifest the prefix index names for this first chunk, checked against the
         served model (the one check of a load: the workers load what this returns)."""
         from kvcdn import catalog
 
         identity = self.setup.identity
         assert identity is not None
-        reader = self.setup.reader().within(deadline_in(self.config.lookup_timeout_s))
+        reader = self.setup.reader(tenant).within(deadline_in(self.config.lookup_timeout_s))
         manifest = catalog.find_by_prefix(
-            reader, identity.fingerprint, first_chunk_hash, trust=self.setup.trust
+            reader, identity.fingerprint, first_chunk_hash, trust=self.setup.trust_of(tenant)
         )
         if manifest is None:
             return None
         if manifest.chunk_tokens != self.config.chunk_tokens:
-            log.warning("kvcdn: %s has chunks of %d tokens, this connector %d: not loaded",
-                        manifest.ref, manifest.chunk_tokens, self.config.chunk_tokens)  # fmt: skip
-            return None
+            raise _Refused("chunk_tokens", f"{manifest.ref} has chunks of {manifest.chunk_tokens} "
+                           f"tokens, this connector {self.config.chunk_tokens}: not loaded")
         try:
             check_against_model(manifest, identity)
         except KvcdnError as exc:
-            log.warning("kvcdn: %s is not loaded into %s: %s", manifest.ref, identity.name, exc)
-            return None
+            raise _Refused("model", f"{manifest.ref} is not loaded into {identity.name}: "
+                           f"{exc}") from None
         return manifest
 
     # ---- after vLLM allocated blocks ----------------------------------------------------
@@ -280,7 +320,7 @@ class KvcdnScheduler:
             return
         block_ids = list(blocks.get_block_ids()[0])
         spec = LoadSpec(req_id, match.manifest, match.start, match.end, block_ids,
-                        match.quality, match.deadline_s, match.sync)  # fmt: skip
+                        match.quality, match.deadline_s, match.sync, match.tenant)  # fmt: skip
         self._pending_loads.append(spec)
 
     def _capture_of(self, capture_id: Any, tokens: int) -> _Capture | None:
@@ -352,7 +392,8 @@ class KvcdnScheduler:
                 done.append(spec)
         for spec in done:
             seen = failed | self._failed_so_far.pop(spec.req_id, set())
-            self._outcomes[spec.req_id] = self._outcome(spec, seen)
+            self._outcomes[spec.req_id] = outcome = self._outcome(spec, seen)
+            self.setup.stats.inc("kvcdn_loaded_tokens", outcome["loaded_tokens"])
 
     def _outcome(self, spec: LoadSpec, failed: set[int]) -> dict[str, Any]:
         return {
@@ -379,6 +420,7 @@ class KvcdnScheduler:
             # update_connector_output: vLLM finishes no request whose load failed
             # (an abort says nothing of the load)
             outcome = self._outcome(sent, set())
+            self.setup.stats.inc("kvcdn_loaded_tokens", outcome["loaded_tokens"])
         return False, ({"kvcdn": outcome} if outcome is not None else None)
 
     def shutdown(self) -> None:

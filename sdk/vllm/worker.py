@@ -20,6 +20,7 @@ from kvcdn.profile_store import ProfileCache
 
 from ..loader import load_prefix_into
 from ..planner import HarmonicPredictor, plan
+from ..streaming import failure_kind
 from .config import ConnectorSetup
 from .layout import PagedLayout, PagedTarget, write_capture
 from .metadata import KvcdnMetadata, KvcdnWorkerMeta, LoadSpec
@@ -179,14 +180,15 @@ class KvcdnWorker:
         if writer is None or identity is None:
             return spec.unfilled(spec.start, self.block_size)
         loaded_to = spec.start
+        chunk = self.setup.config.chunk_tokens
+        first_chunk, end_chunk = spec.start // chunk, -(-spec.end // chunk)
+        started = time.perf_counter()
         try:
-            chunk = self.setup.config.chunk_tokens
-            first_chunk = spec.start // chunk
             result = load_prefix_into(
                 PagedTarget(writer, spec),
                 spec.manifest,
-                self.setup.reader(),
-                chunks=(first_chunk, -(-spec.end // chunk)),
+                self.setup.reader(spec.tenant),
+                chunks=(first_chunk, end_chunk),
                 quality=spec.quality,
                 device=writer.device,
                 predictor=self._predictor,
@@ -196,9 +198,15 @@ class KvcdnWorker:
                 deadline_s=deadline_s,
             )
             loaded_to = min(spec.end, (first_chunk + result.loaded_chunks) * chunk)
+            # tokens are counted by the scheduler, once for every worker
+            self.setup.stats.load(result.chunks, time.perf_counter() - started,
+                                  refinements_dropped=result.refinements_dropped,
+                                  loaded_tokens=0)  # fmt: skip
         except Exception as exc:
             log.warning("kvcdn: loading %s for request %s failed: %s", spec.manifest.ref,
                         spec.req_id, exc)  # fmt: skip
+            self.setup.stats.inc("kvcdn_recomputed_chunks", end_chunk - first_chunk,
+                                 reason=failure_kind(exc))  # fmt: skip
         failed = spec.unfilled(loaded_to, self.block_size)
         if failed:
             log.info("kvcdn: request %s: %d of %d tokens loaded; vLLM computes the rest",
