@@ -3,6 +3,7 @@ signed pointers, and codec profiles into a store."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,13 @@ def _valid_for(text: str | None) -> float:
     return check_valid_for(parse_duration(text, "--pointer-valid-for"))
 
 
+
+def sign_key_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--sign-key`` (repeatable, ``$KVCDN_SIGN_KEY``) into ``sign_key_files``."""
+    return click.option("--sign-key", "sign_key_files", multiple=True,
+                        type=click.Path(path_type=Path, dir_okay=False),
+                        envvar="KVCDN_SIGN_KEY", help=help)  # fmt: skip
+
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @model_option
@@ -76,14 +84,9 @@ def _valid_for(text: str | None) -> float:
     help="Tokens per chunk (the unit of fetching and sharing).",
 )
 @click.option("--name", help="Document name (one PATH only). [default: the file name's stem]")
-@click.option(
-    "--sign-key",
-    "sign_key_files",
-    multiple=True,
-    type=click.Path(path_type=Path, dir_okay=False),
-    envvar="KVCDN_SIGN_KEY",
-    help="Sign the manifests and pointers with this private key (`kvcdn keys new`); repeat "
-    "to sign with two keys while rotating. [env KVCDN_SIGN_KEY]",
+@sign_key_option(
+    "Sign the manifests and pointers with this private key (`kvcdn keys new`); repeat "
+    "to sign with two keys while rotating. [env KVCDN_SIGN_KEY]"
 )
 @click.option(
     "--engine",
@@ -428,14 +431,9 @@ def _signing_keys(paths: tuple[Path, ...]) -> list[SigningKey]:
     help="Refresh every document of the store (each one's pointer must be signed by "
     "your keys or those of --trust; the others are reported as failed).",
 )
-@click.option(
-    "--sign-key",
-    "sign_key_files",
-    multiple=True,
-    type=click.Path(path_type=Path, dir_okay=False),
-    envvar="KVCDN_SIGN_KEY",
-    help="The publisher's private key to sign with (repeat for two while rotating). "
-    "[env KVCDN_SIGN_KEY]",
+@sign_key_option(
+    "The publisher's private key to sign with (repeat for two while rotating). "
+    "[env KVCDN_SIGN_KEY]"
 )
 @pointer_valid_for_option
 @store_option

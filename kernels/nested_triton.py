@@ -43,6 +43,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
+if triton is not None:
+    from .rans_triton import store_rounded
+
 __all__ = ["available", "decode", "warm_up"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -136,13 +139,7 @@ if triton is not None:
             n = tl.load(n_ptr + (g2 * T + t) * D + dv, mask=live_d, other=0)
             val = n.to(tl.float32) * scale
             val = val + mean
-            if OUT_BF16:  # round to nearest even by hand, NaN -> 0x7FC0 as torch does
-                b = tl.cast(val, tl.uint32, bitcast=True)
-                b = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
-                h = tl.where(val != val, 0x7FC0, b).to(tl.uint16)
-                tl.store(out_row, tl.cast(h, tl.bfloat16, bitcast=True), mask=live_d)
-            else:
-                tl.store(out_row, val.to(out_ptr.dtype.element_ty), mask=live_d)
+            store_rounded(out_row, val, live_d, OUT_BF16)
             out_row += stride_ot
         tl.store(err_ptr + gv, bad, mask=live_g)
 

@@ -70,6 +70,19 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def store_rounded(ptr, val, mask, OUT_BF16: tl.constexpr):
+        """float32 ``val`` into ``ptr``'s dtype, rounded as torch's ``.to`` rounds. bfloat16
+        by hand, to nearest even (NaN -> 0x7FC0, as torch does): the interpreter's own
+        float32 -> bfloat16 cast truncates, while GPUs round."""
+        if OUT_BF16:
+            b = tl.cast(val, tl.uint32, bitcast=True)
+            b = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+            h = tl.where(val != val, 0x7FC0, b).to(tl.uint16)
+            tl.store(ptr, tl.cast(h, tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(ptr, val.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _decode_kernel(
         words_ptr,
         word_start_ptr,
@@ -123,15 +136,7 @@ if triton is not None:
             pos = pos + tl.sum(need_i, axis=0)
             val = sym.to(tl.float32) * scale
             val = val + offset
-            if OUT_BF16:
-                # Round to nearest even by hand (NaN -> 0x7FC0, as torch does): the
-                # interpreter's own float32 -> bfloat16 cast truncates, while GPUs round.
-                b = tl.cast(val, tl.uint32, bitcast=True)
-                b = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
-                h = tl.where(val != val, 0x7FC0, b).to(tl.uint16)
-                tl.store(out_row, tl.cast(h, tl.bfloat16, bitcast=True), mask=live)
-            else:
-                tl.store(out_row, val.to(out_ptr.dtype.element_ty), mask=live)
+            store_rounded(out_row, val, live, OUT_BF16)
             out_row += stride_ot
 
         bad = bad | (live & (x != RANS_L_C)).to(tl.int32)
