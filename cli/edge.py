@@ -218,7 +218,12 @@ def edge_serve(
     from kvcdn.edge.s3auth import S3Keys
     from kvcdn.edge.server import Edge, run
     from kvcdn.edge.shared import Shared
-    from kvcdn.edge.workers import available_cores, supervise, worker_command
+    from kvcdn.edge.workers import (
+        available_cores,
+        remove_leftovers,
+        supervise,
+        worker_command,
+    )
     from kvcdn.signing import TrustPolicy
 
     host, _, port = listen.rpartition(":")
@@ -291,7 +296,9 @@ def edge_serve(
         if "serve" not in argv:
             raise click.UsageError("--workers above 1 needs `kvcdn edge serve` as the command")
         counters = cache_dir / "workers"
-        raise SystemExit(supervise(lambda name: worker_command(argv, name), n_workers, counters))
+        status = supervise(lambda name: worker_command(argv, name), n_workers, counters,
+                           lambda pid: remove_leftovers(cache_dir, pid))  # fmt: skip
+        raise SystemExit(status)
     run(node, host, int(port), idle_timeout_s=idle_timeout, max_connections=max_connections)
 
 

@@ -31,6 +31,13 @@ QUICK_EXITS = 5
 STOP_WAIT_S = 20.0
 
 
+def remove_leftovers(cache_root: Path, pid: int) -> None:
+    """The temporary files a dead worker left in the cache folder (spools of misses it
+    was fetching, half-written entries): named with its pid, see :mod:`.cache`."""
+    for path in (cache_root / "objects").glob(f"*/.*.{pid}.*"):
+        path.unlink(missing_ok=True)
+
+
 def available_cores() -> int:
     """The CPUs this process may run on (its affinity, which containers set)."""
     try:
@@ -58,10 +65,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def supervise(command: Callable[[str], list[str]], workers: int, counters: Path) -> int:
+def supervise(command: Callable[[str], list[str]], workers: int, counters: Path,
+              exited: Callable[[int], None] | None = None) -> int:  # fmt: skip
     """Run ``workers`` worker processes (``command(name)`` starts the one named
     ``name``) until SIGTERM or SIGINT; the exit status. ``counters`` is the folder
-    of the workers' counters, emptied first: a new edge counts from zero."""
+    of the workers' counters, emptied first: a new edge counts from zero.
+    ``exited(pid)`` is called for a worker that died, before it is started again."""
     counters.mkdir(parents=True, exist_ok=True)
     for old in counters.iterdir():
         old.unlink(missing_ok=True)
@@ -103,6 +112,8 @@ def supervise(command: Callable[[str], list[str]], workers: int, counters: Path)
                     break
                 print(f"kvcdn edge: worker {slot} (pid {proc.pid}) exited with status "
                       f"{code}: starting it again", file=sys.stderr)  # fmt: skip
+                if exited is not None:
+                    exited(proc.pid)
                 start(slot)
     finally:
         for proc, _ in procs.values():
