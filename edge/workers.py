@@ -104,14 +104,13 @@ def supervise(command: Callable[[str], list[str]], workers: int, counters: Path,
                     continue
                 quick[slot] = quick[slot] + 1 if time.monotonic() - started < QUICK_EXIT_S else 0
                 if quick[slot] >= QUICK_EXITS:
-                    print(f"kvcdn edge: worker {slot} exited {QUICK_EXITS} times within "
-                          f"{QUICK_EXIT_S:g} s of its start (status {code}): stopping",
-                          file=sys.stderr)  # fmt: skip
+                    log.error("worker %d exited %d times within %g s of its start (status "
+                              "%s): stopping", slot, QUICK_EXITS, QUICK_EXIT_S, code)  # fmt: skip
                     status = 1
                     stop.append(0)
                     break
-                print(f"kvcdn edge: worker {slot} (pid {proc.pid}) exited with status "
-                      f"{code}: starting it again", file=sys.stderr)  # fmt: skip
+                log.warning("worker %d (pid %d) exited with status %s: starting it again",
+                            slot, proc.pid, code)  # fmt: skip
                 if exited is not None:
                     exited(proc.pid)
                 start(slot)
