@@ -76,12 +76,18 @@ def supervise(command: Callable[[str], list[str]], workers: int, counters: Path,
         old.unlink(missing_ok=True)
     stop = []
 
+    procs: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
+
     def on_signal(signum: int, frame: object) -> None:
         stop.append(signum)
+        # at once, not at the next turn of the loop: a stopped edge stops taking
+        # requests as soon as one process would (its clients fail over then)
+        for proc, _ in list(procs.values()):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    procs: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
     starts = [0] * workers
     quick = [0] * workers
 

@@ -97,7 +97,9 @@ def main() -> None:
                 print(f"first load: chunks served by {dict(served)}")
 
                 home = served.most_common(1)[0][0]
-                edges[urls.index(home)].terminate()
+                stopped = edges[urls.index(home)]
+                stopped.terminate()
+                stopped.wait(timeout=20)  # every process of that edge has exited
                 ctx = edged.load_context("sed-manual")
                 print(f"after stopping {home}: chunks served by "
                       f"{dict(Counter(ctx.plan.chunk_sources))}")  # fmt: skip
