@@ -118,7 +118,8 @@ def test_two_workers_keep_the_folder_under_max_bytes(origin, tmp_path):
         m = node.metrics()
         assert m["kvcdn_edge_cache_bytes"] <= limit
         assert m["kvcdn_edge_cache_bytes"] == _on_disk(cache)  # the shared ledger is exact
-        assert m["kvcdn_edge_evictions_total"] >= len(items) - 2
+        # both workers evicted; a sibling's counts reach the sum within a second
+        _until(lambda: node.metrics()["kvcdn_edge_evictions_total"] >= len(items) - 2)
     finally:
         node.kill()
 
