@@ -117,17 +117,27 @@ class Spool:
         self._memory: bytearray | bytes | None = None
         self._readers = 0  # responses still sending the bytes held in memory
         self._fd: int | None = None
+        self._opened = False  # the file is made by the first write, on the writer's thread
         digest = _digest(key)
         name = f".{digest}.spool.{os.getpid()}.{next(_spools)}"
         self.path = cache.root / "objects" / digest[:2] / name
-        if cache.read_only:
+
+    def _open(self) -> None:
+        """Where the bytes go: a new file in the folder of the key's cached copy, or
+        memory while the disk is full."""
+        self._opened = True
+        if self.cache.read_only:
             self._memory = bytearray()
             return
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            self.path.parent.mkdir(exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                self._fd = os.open(self.path, flags, 0o644)
+            except FileNotFoundError:  # the key's folder is made by its first spool
+                self.path.parent.mkdir(exist_ok=True)
+                self._fd = os.open(self.path, flags, 0o644)
         except OSError as exc:
-            cache._write_failed(key, exc)
+            self.cache._write_failed(self.key, exc)
             self._memory = bytearray()
 
     @property
@@ -138,13 +148,15 @@ class Spool:
     def on_disk(self) -> bool:
         return self._fd is not None
 
-    def write(self, piece: bytes) -> None:
+    def write(self, piece: bytes | bytearray) -> None:
         """Append ``piece``; :class:`SpoolFull` past the object's or the cache's limit."""
         with self._lock:
             if self._placed:
                 raise SpoolFull(f"the fetch of {self.key} was given up")
             if self.size + len(piece) > self.limit:
                 raise SpoolFull(f"more than the {self.limit} bytes {self.key} can have")
+            if not self._opened:
+                self._open()
             if self._fd is not None:
                 self.cache._reserve(self, len(piece), memory=False)
                 try:
@@ -168,6 +180,8 @@ class Spool:
     def read_at(self, offset: int, n: int) -> bytes:
         if self._fd is not None:
             return os.pread(self._fd, n, offset)
+        if not self._opened:
+            return b""  # nothing was written
         assert self._memory is not None
         return bytes(self._memory[offset : offset + n])
 
@@ -181,6 +195,8 @@ class Spool:
         copy, shared by every reader) and what to call once they are sent: memory held
         for a response counts against the budget until the last one is sent."""
         with self._lock:
+            if not self._opened and not self._placed:
+                self._opened, self._memory = True, bytearray()  # nothing was written
             if self._fd is not None:
                 return os.fdopen(os.dup(self._fd), "rb"), b"", None
             if self._memory is None:

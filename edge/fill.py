@@ -461,8 +461,10 @@ class Filler:
         spool, verified, data = await self._fetch(key, info)
         if not revalidated(info, self.trust):
             # immutable: the verified spool becomes the cached copy (unless it cannot
-            # be cached), and waiters send it from the file
-            await asyncio.to_thread(self.cache.adopt, spool, verified.etag)
+            # be cached; a content-addressed one already did, see _verify), and waiters
+            # send it from the file
+            if info.kind not in CONTENT_ADDRESSED:
+                await asyncio.to_thread(self.cache.adopt, spool, verified.etag)
             return Filled(verified, spool.size, spool=spool)
         spool.discard()
         assert data is not None  # documents are verified from their bytes
@@ -503,13 +505,20 @@ class Filler:
     async def _verify(self, key: str, info: KeyInfo, spool: Spool
                       ) -> tuple[Verified, bytes | None]:  # fmt: skip
         """What a fetched spool holds: a content-addressed object by its hash (only its
-        header is read back), a document from its bytes (a few at a time)."""
+        header is read back), a document from its bytes (a few at a time).
+
+        A content-addressed object is also made the cached copy of its key, in the same
+        thread: a hand-over to a thread and back costs as much as both steps."""
         if info.kind in CONTENT_ADDRESSED:
-            verified = await asyncio.to_thread(
-                verify_content, key, info, size=spool.size, sha256=spool.sha256,
-                read_at=spool.read_at,
-            )  # fmt: skip
-            return verified, None
+
+            def verify_and_keep() -> Verified:
+                checked = verify_content(
+                    key, info, size=spool.size, sha256=spool.sha256, read_at=spool.read_at
+                )
+                self.cache.adopt(spool, checked.etag)
+                return checked
+
+            return await asyncio.to_thread(verify_and_keep), None
         async with self._parses:
             data = await asyncio.to_thread(spool.read_all)
             return await asyncio.to_thread(verify, key, info, data, self.trust), data

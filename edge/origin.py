@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -15,11 +17,16 @@ from kvcdn.store import Cancel, check_endpoint_url, open_store
 
 from .cache import Spool, SpoolFull
 
+log = logging.getLogger(__name__)
+
 FETCH_THREADS = 64
 MAX_LISTING_BYTES = 16 << 20  # one page of a parent's listing, held in memory to parse
 #: Listings read from an HTTP origin at once: each holds up to MAX_LISTING_BYTES.
 LISTINGS_AT_ONCE = 4
 PIECE = 1 << 20  # bytes of a body read (and written to its spool) at a time
+#: Answers to a presigned GET that say it will never work here: a bucket in another
+#: region (301, 400), a store that refuses query signatures (400, 403, 501).
+SIGNING_REFUSED = frozenset({301, 307, 400, 403, 501})
 
 
 class OriginMissing(Exception):
@@ -51,7 +58,14 @@ class Origin(Protocol):
 
 
 class StoreOrigin:
-    """An object store (``s3://bucket/prefix`` or a folder) through kvcdn's store layer."""
+    """An object store (``s3://bucket/prefix`` or a folder) through kvcdn's store layer.
+
+    Where the store gives presigned URLs (S3), an object is one GET on the edge's own
+    event loop, streamed into its spool as it arrives: no thread, no second event loop
+    (s3fs's) and no per-piece hand-over between them, which had cost a miss several
+    times nginx's CPU. Anything but a 200 or a 404 there (a bucket in another region,
+    a throttled request) is read once more through the store's client, with its
+    retries and redirects; so is every read of a folder store."""
 
     def __init__(self, url: str, timeout_s: float, endpoint_url: str | None = None) -> None:
         self.url = url
@@ -61,8 +75,26 @@ class StoreOrigin:
         # The store's client blocks; its own pool keeps many fetches in flight
         # (the default executor has only a few threads, shared with hashing).
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="origin")
+        self._http = _HTTPReads(url, timeout_s, {})
+        self._presigned = True
 
     async def fetch(self, key: str, spool: Spool) -> None:
+        signed = self._store.presigned_get(key) if self._presigned else None
+        if signed is not None:
+            try:
+                return await self._http.stream(signed, key, spool)
+            except _Unexpected as exc:
+                if exc.status in SIGNING_REFUSED:
+                    # the bucket is elsewhere, or the store does not take query signatures:
+                    # the store's client (which follows redirects) reads from now on
+                    self._presigned = False
+                    log.warning("%s to a presigned GET; the edge reads %s through the "
+                                "store's client from now on", exc, self.url)  # fmt: skip
+                else:
+                    log.info("%s; reading it through the store's client", exc)
+        await self._fetch_in_thread(key, spool)
+
+    async def _fetch_in_thread(self, key: str, spool: Spool) -> None:
         loop = asyncio.get_running_loop()
         cancel = Cancel()  # the thread stops between two pieces once the fetch is given up
 
@@ -100,6 +132,84 @@ class StoreOrigin:
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        await self._http.close()
+
+
+class _Unexpected(OriginFailed):
+    """An answer other than 200 or 404."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _HTTPReads:
+    """GETs whose bodies stream into spools, on the edge's event loop: one session,
+    made on first use (a session belongs to the loop it was made on)."""
+
+    def __init__(self, origin: str, timeout_s: float, headers: dict[str, str]) -> None:
+        self.origin = origin  # named in errors, never the URL asked (a presigned one is a key)
+        self.timeout_s = timeout_s
+        # Bodies are taken as sent: a compressed body would be a few megabytes on
+        # the wire and gigabytes in memory (and it fails verification anyway).
+        self.headers = {"Accept-Encoding": "identity", **headers}
+        self._session: aiohttp.ClientSession | None = None
+
+    def client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                headers=self.headers,
+                auto_decompress=False,
+            )
+        return self._session
+
+    async def stream(self, url: str, key: str, spool: Spool) -> None:
+        """GET ``url`` (the object ``key``) into ``spool``: :class:`OriginMissing` on a
+        404, :class:`_Unexpected` on another answer, :class:`OriginFailed` when the
+        request fails or sends more than the spool takes."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with self.client().get(url) as resp:
+                if resp.status == 404:
+                    raise OriginMissing(key)
+                if resp.status != 200:
+                    raise _Unexpected(
+                        f"origin {self.origin} answered {resp.status} for {key}", resp.status
+                    )
+                check_length(self.origin, resp, spool.limit, key)
+                # written (and hashed) off the event loop a piece at a time: the edge
+                # holds a piece per miss, never an object. The socket's reads (64 KiB)
+                # are gathered into pieces first: each hand-over to a thread costs more
+                # than hashing and writing 64 KiB.
+                piece = bytearray()
+                async for data in resp.content.iter_any():
+                    piece += data
+                    if len(piece) >= PIECE:
+                        await loop.run_in_executor(None, spool.write, piece)
+                        piece = bytearray()
+                if piece:
+                    await loop.run_in_executor(None, spool.write, piece)
+        except asyncio.TimeoutError:
+            raise OriginFailed(f"origin {self.origin} timed out on {key}", timeout=True) from None
+        except aiohttp.ClientError as exc:
+            # the exception's text may hold the URL, and a presigned URL's query is a credential
+            text = re.sub(r"\?\S*", "?...", str(exc) or type(exc).__name__)
+            raise OriginFailed(f"origin {self.origin} failed on {key}: {text}") from None
+        except SpoolFull as exc:
+            raise OriginFailed(f"origin {self.origin} sent {key}: {exc}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def check_length(origin: str, resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> None:
+    """Refuse a body announced longer than ``max_bytes`` before reading it."""
+    if (resp.content_length or 0) > max_bytes:
+        raise OriginFailed(
+            f"origin {origin} announced {resp.content_length} bytes for {what}, more than it can be"
+        )
 
 
 class HTTPOrigin:
@@ -108,53 +218,16 @@ class HTTPOrigin:
     def __init__(self, url: str, timeout_s: float, token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        # Bodies are taken as sent: a compressed body would be a few megabytes on
-        # the wire and gigabytes in memory (and it fails verification anyway).
-        self._headers = {"Accept-Encoding": "identity"}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._session: aiohttp.ClientSession | None = None
+        self._http = _HTTPReads(self.url, timeout_s, {"Authorization": f"Bearer {token}"}
+                                if token else {})  # fmt: skip
         self._listings = asyncio.Semaphore(LISTINGS_AT_ONCE)
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                headers=self._headers,
-                auto_decompress=False,
-            )
-        return self._session
-
     async def fetch(self, key: str, spool: Spool) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            async with self._client().get(f"{self.url}/{quote(key)}") as resp:
-                if resp.status == 404:
-                    raise OriginMissing(key)
-                if resp.status != 200:
-                    raise OriginFailed(f"origin {self.url} answered {resp.status} for {key}")
-                self._check_length(resp, spool.limit, key)
-                # written (and hashed) off the event loop, one piece at a time: the
-                # edge holds a piece per miss, never an object
-                async for piece in resp.content.iter_chunked(PIECE):
-                    await loop.run_in_executor(None, spool.write, piece)
-        except asyncio.TimeoutError:
-            raise OriginFailed(f"origin {self.url} timed out on {key}", timeout=True) from None
-        except aiohttp.ClientError as exc:
-            raise OriginFailed(f"origin {self.url} failed on {key}: {exc}") from None
-        except SpoolFull as exc:
-            raise OriginFailed(f"origin {self.url} sent {key}: {exc}") from None
-
-    def _check_length(self, resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> None:
-        if (resp.content_length or 0) > max_bytes:
-            raise OriginFailed(
-                f"origin {self.url} announced {resp.content_length} bytes for {what}, more "
-                "than it can be"
-            )
+        await self._http.stream(f"{self.url}/{quote(key)}", key, spool)
 
     async def _body(self, resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> bytes:
         """A small response body (a listing), refused past ``max_bytes``."""
-        self._check_length(resp, max_bytes, what)
+        check_length(self.url, resp, max_bytes, what)
         pieces, size = [], 0
         async for piece in resp.content.iter_chunked(PIECE):
             size += len(piece)
@@ -169,7 +242,7 @@ class HTTPOrigin:
         query = {"list-type": "2", "prefix": prefix}
         try:
             while True:
-                async with self._listings, self._client().get(f"{self.url}/", params=query
+                async with self._listings, self._http.client().get(f"{self.url}/", params=query
                                                               ) as resp:  # fmt: skip
                     if resp.status != 200:
                         raise OriginFailed(f"origin {self.url} answered {resp.status} to a listing")
@@ -192,8 +265,7 @@ class HTTPOrigin:
             raise OriginFailed(f"origin {self.url} failed listing {prefix}: {exc}") from None
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._http.close()
 
 
 def open_origin(

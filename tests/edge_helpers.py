@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -16,8 +18,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import torch
+from aiohttp import web
 
 from kvcdn.codec import FIXED_LEVELS, encode_chunk
 from kvcdn.keys import object_key
@@ -132,6 +136,11 @@ class EdgeProcess:
             assert time.monotonic() < deadline, "the object never reached the disk cache"
             time.sleep(0.02)
 
+    def output(self) -> str:
+        """What the edge has logged so far."""
+        self.log.seek(0)
+        return self.log.read().decode()
+
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
         return {
@@ -169,6 +178,52 @@ class Hostile:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=10)
+
+
+class RefusingQuerySignatures:
+    """An S3 endpoint that takes only header-signed requests: a real HTTP server in a
+    thread, answering 403 to a query-signed (presigned) request as such a store does,
+    and passing every other request on to ``upstream`` (moto) as it came."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.refused = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        if "X-Amz-Signature" in request.query:
+            self.refused += 1
+            body = b"<Error><Code>AccessDenied</Code><Message>query signatures</Message></Error>"
+            return web.Response(status=403, body=body, content_type="application/xml")
+        async with aiohttp.ClientSession(auto_decompress=False) as session:
+            async with session.request(
+                request.method, self.upstream + request.path_qs, data=await request.read(),
+                headers={k: v for k, v in request.headers.items() if k.lower() != "host"},
+            ) as resp:  # fmt: skip
+                skip = {"transfer-encoding", "content-length", "connection"}
+                headers = {k: v for k, v in resp.headers.items() if k.lower() not in skip}
+                return web.Response(status=resp.status, body=await resp.read(), headers=headers)
+
+    def __enter__(self) -> RefusingQuerySignatures:
+        async def start() -> web.AppRunner:
+            app = web.Application(client_max_size=64 << 20)
+            app.router.add_route("*", "/{tail:.*}", self._answer)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            return runner
+
+        self._thread.start()
+        self._runner = asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
 
 
 def get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):
