@@ -27,6 +27,7 @@ PIECE = 1 << 20  # bytes of a body read (and written to its spool) at a time
 #: Answers to a presigned GET that say it will never work here: a bucket in another
 #: region (301, 400), a store that refuses query signatures (400, 403, 501).
 SIGNING_REFUSED = frozenset({301, 307, 400, 403, 501})
+PROBE_KEY = "kvcdn-edge-probe"  # signed, never fetched
 
 
 class OriginMissing(Exception):
@@ -77,6 +78,8 @@ class StoreOrigin:
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="origin")
         self._http = _HTTPReads(url, timeout_s, {})
         self._presigned = True
+        # the signer (a botocore client, ~0.1 s to make) is made now, not by the first miss
+        self._store.presigned_get(PROBE_KEY)
 
     async def fetch(self, key: str, spool: Spool) -> None:
         signed = self._store.presigned_get(key) if self._presigned else None
