@@ -207,6 +207,7 @@ def gc(keep: int | None, grace: str, dry_run: bool, store: str | None,
 @store_option
 @endpoint_option
 @trust_option
+@require_expiry_option
 @json_option
 def check(refs: tuple[str, ...], store: str | None, endpoint_url: str | None,
           trust_file: Path | None, as_json: bool) -> None:  # fmt: skip
@@ -221,7 +222,8 @@ def check(refs: tuple[str, ...], store: str | None, endpoint_url: str | None,
     time. Nothing is changed.
 
     Exit code 0: intact (orphans allowed); 5: something is missing or damaged;
-    6: all that is wrong is trust.
+    6: all that is wrong is trust (unsigned, signed by other keys, or a latest
+    pointer past its signed expiry: `kvcdn refresh NAME` renews it).
 
     \b
       kvcdn check                       # the whole store, orphans listed

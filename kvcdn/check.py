@@ -27,9 +27,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import keys
-from .catalog import parse_ref
+from .catalog import check_fresh, parse_ref
 from .container import read_header
-from .errors import FormatError, KvcdnError, NotFound, StoreError, TrustError
+from .errors import (
+    FormatError,
+    FreshnessError,
+    KvcdnError,
+    NotFound,
+    StoreError,
+    TrustError,
+)
 from .manifest import (
     MAX_MANIFEST_BYTES,
     MAX_POINTER_BYTES,
@@ -54,9 +61,10 @@ ProgressFn = Callable[[str, int, int], None]
 class Problem:
     """Something wrong with one key: ``kind`` is missing, damaged (bytes or format),
     unreadable (the store failed on it: permissions, I/O, a looping link), untrusted
-    (with a trust policy), or dangling (a pointer or index entry that names
-    a version that is not there: readers take it for no entry, so it is reported
-    without failing the check)."""
+    (with a trust policy), expired (with a trust policy: a latest pointer past its
+    signed expiry, or without one where the policy requires one), or dangling (a
+    pointer or index entry that names a version that is not there: readers take it
+    for no entry, so it is reported without failing the check)."""
 
     key: str
     kind: str
@@ -93,11 +101,11 @@ class StoreCheck:
     @property
     def exit_code(self) -> int:
         """0 when intact; 5 when something is missing or damaged; 6 when all that is
-        wrong is trust (unsigned or signed by other keys)."""
+        wrong is trust (unsigned or signed by other keys, an expired latest pointer)."""
         failures = self.failures
         if not failures:
             return 0
-        return 6 if all(p.kind == "untrusted" for p in failures) else 5
+        return 6 if all(p.kind in ("untrusted", "expired") for p in failures) else 5
 
 
 def check_store(
@@ -250,6 +258,11 @@ def _check_pointer(
     except _READ_FAILURES as exc:
         report.problems.append(Problem(key, _kind(exc), _line(exc)))
         return
+    if trust is not None:
+        try:  # what a reader with the same trust would refuse to follow
+            check_fresh(pointer, trust)
+        except FreshnessError as exc:
+            report.problems.append(Problem(key, "expired", _line(exc)))
     if pointer.name != name:
         report.problems.append(Problem(key, "damaged", f"it points at {pointer.name}"))
     elif pointer.version not in versions:

@@ -197,6 +197,36 @@ def test_an_expired_pointer_is_refused_with_exit_6_and_refresh_renews_it(signed,
     assert parsed("inspect", again.stdout)["version"] == 1  # the same version as before
 
 
+def test_check_with_trust_reports_what_readers_with_it_would_refuse(signed, tmp_path):
+    root, key, trust_file, key_file = signed
+    expired = math.floor(time.time()) - 3600
+    write_pointer(root, key, 1, expired)
+    checking = ("check", "--store", str(root), "--json")
+
+    found = kvcdn(*checking, "--trust", str(trust_file), home=tmp_path)
+    assert found.returncode == 6, found.stderr  # trust: what readers with it exit with
+    report = parsed("check", found.stdout)
+    (problem,) = report["problems"]
+    assert problem["key"] == latest_key("guide") and problem["kind"] == "expired"
+    assert "expired at " + format_expiry(expired) in problem["detail"]
+    assert "kvcdn refresh guide" in problem["detail"]
+    assert not report["ok"]
+    # without trust, readers follow it: nothing to report
+    assert kvcdn(*checking, home=tmp_path).returncode == 0
+    # a pointer without expiry fails only a check that requires one
+    write_pointer(root, key, 1, None)
+    assert kvcdn(*checking, "--trust", str(trust_file), home=tmp_path).returncode == 0
+    strict = kvcdn(*checking, "--trust", str(trust_file), "--require-expiry", home=tmp_path)
+    assert strict.returncode == 6
+    assert [p["kind"] for p in parsed("check", strict.stdout)["problems"]] == ["expired"]
+    # renewed, it passes
+    renewed = kvcdn("refresh", "guide", "--store", str(root), "--sign-key", str(key_file),
+                    home=tmp_path)  # fmt: skip
+    assert renewed.returncode == 0, renewed.stderr
+    final = kvcdn(*checking, "--trust", str(trust_file), "--require-expiry", home=tmp_path)
+    assert final.returncode == 0, final.stdout
+
+
 def test_a_short_window_expires_for_real_and_a_republish_renews_it(signed, model, sed_text):
     root, key, _, _ = signed
     store = open_store(str(root))
