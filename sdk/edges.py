@@ -42,6 +42,7 @@ from kvcdn.errors import (
     AccessDenied,
     DeadlineExceeded,
     FormatError,
+    FreshnessError,
     InputError,
     KvcdnError,
     NotFound,
@@ -138,14 +139,19 @@ def check_edges(edges: Sequence[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Rejected:
-    """An edge that served bytes failing the reader's check (or too many, or too slowly)."""
+    """An edge that served bytes failing the reader's check (or too many, or too
+    slowly), or a signed pointer past its expiry (``stale``)."""
 
     edge: str
     key: str
     reason: str
+    #: A stale pointer is no sign of a broken edge (an honest one passes on what its
+    #: origin holds), so that edge is not skipped for other keys.
+    stale: bool = False
 
     def __str__(self) -> str:
-        return f"{self.edge} served bad bytes for {self.key}: {self.reason}"
+        what = "a stale pointer" if self.stale else "bad bytes"
+        return f"{self.edge} served {what} for {self.key}: {self.reason}"
 
 
 class EdgeStore(ReaderBase):
@@ -249,11 +255,15 @@ class EdgeStore(ReaderBase):
             return list(ranked), probes
         return admitted, probes
 
-    def _reject(self, edge: str, key: str, reason: str) -> None:
-        self._mark_down(edge, BAD_BYTES_DOWN_S)
+    def _reject(self, edge: str, key: str, reason: str, *, stale: bool = False) -> None:
+        rejected = Rejected(edge, key, reason, stale)
+        if stale:
+            log.warning("%s; trying the next source", rejected)
+        else:
+            self._mark_down(edge, BAD_BYTES_DOWN_S)
+            log.error("%s; trying the next source", rejected)
         with self._lock:
-            self.rejected = [*self.rejected[-99:], Rejected(edge, key, reason)]
-        log.error("edge %s served bad bytes for %s, trying the next source: %s", edge, key, reason)
+            self.rejected = [*self.rejected[-99:], rejected]
 
     # ---- reading ---------------------------------------------------------------
     def fetch(
@@ -341,7 +351,8 @@ class EdgeStore(ReaderBase):
                         try:
                             check(data)
                         except KvcdnError as exc:
-                            self._reject(edge, key, str(exc))
+                            self._reject(edge, key, str(exc),
+                                         stale=isinstance(exc, FreshnessError))  # fmt: skip
                             failures.append(f"{edge}: {exc}")
                             bad.append(exc)
                             continue
@@ -366,7 +377,8 @@ class EdgeStore(ReaderBase):
         if skipped:
             failures.append(f"{skipped} edge(s) skipped while they recover from failures")
         if bad and len(bad) == len(failures):  # say what was wrong, in its own terms
-            raise type(bad[-1])(f"every edge served bad bytes for {key}: {'; '.join(failures)}")
+            what = "a stale pointer" if isinstance(bad[-1], FreshnessError) else "bad bytes"
+            raise type(bad[-1])(f"every edge served {what} for {key}: {'; '.join(failures)}")
         if missing and missing + refused == len(failures):
             raise NotFound(f"{key}: not found ({'; '.join(failures)})")
         if refused and refused == len(failures):

@@ -21,9 +21,10 @@ import pytest
 from kvcdn import sdk
 from kvcdn.catalog import read_manifest
 from kvcdn.errors import FormatError, FreshnessError, IntegrityError, PointerExpired
-from kvcdn.keys import latest_key
+from kvcdn.keys import latest_key, manifest_key
 from kvcdn.manifest import format_expiry, open_pointer, parse_expiry, pointer_bytes
 from kvcdn.publish import publish, refresh
+from kvcdn.sdk.edges import EdgeStore
 from kvcdn.signing import POINTER_TYPE, SigningKey, TrustPolicy, seal
 from kvcdn.store import LocalStore, open_store
 from tests.cli_json import parsed
@@ -459,6 +460,14 @@ def test_an_edge_passes_on_an_expired_pointer_from_its_origin_and_readers_refuse
         trust = TrustPolicy([key.public], clock_skew_s=0)
         with pytest.raises(PointerExpired, match=f"expired at {format_expiry(expired)}"):
             sdk.load_context("guide", model=model, edges=[node.url], quality=LEVEL, trust=trust)
+        # ... recorded as a stale pointer, not as bad bytes: the edge is not skipped
+        reader = EdgeStore([node.url], origin=open_store(str(root)))
+        with pytest.raises(PointerExpired, match="every edge served a stale pointer|expired"):
+            read_manifest(reader, "guide", trust=trust)
+        (rejected,) = reader.rejected
+        assert rejected.stale and rejected.edge == node.url
+        assert str(rejected).startswith(f"{node.url} served a stale pointer for ")
+        assert reader.fetch(manifest_key("guide", 1)).source == node.url
         # the origin down, it is not served stale either
         root.rename(gone)
         time.sleep(5.2)
