@@ -38,6 +38,18 @@ def chunk_object(seed: int) -> tuple[str, bytes]:
     return object_key(chunk_hash, level.id, hashlib.sha256(data).hexdigest()), data
 
 
+def large_chunk_object(size: int) -> tuple[str, bytes]:
+    """A valid fp16 chunk container of ``size`` bytes (random payload), and its key."""
+    from kvcdn.container import ChunkHeader, pack
+
+    level = FIXED_LEVELS["fp16"]
+    chunk_hash = hashlib.sha256(f"large-{size}".encode()).hexdigest()
+    # fp16 KV of (layers, 2, heads, tokens, dim), to the size asked (a multiple of 1 MiB)
+    header = ChunkHeader("fp16", "fp16", {}, (size >> 20, 2, 8, 256, 128), chunk_hash)
+    data = pack(header, os.urandom(size - len(pack(header, b""))))
+    return object_key(chunk_hash, level.id, hashlib.sha256(data).hexdigest()), data
+
+
 class MotoOrigin:
     """A fresh bucket on moto's server; origin-side GETs read from moto's request recorder."""
 

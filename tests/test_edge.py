@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ from kvcdn.edge.server import Edge
 from kvcdn.keys import latest_key, object_key
 from kvcdn.manifest import pointer_bytes
 from tests.conftest import free_port
-from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get
+from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get, large_chunk_object
 
 BUCKET_PREFIX = "kv"
 
@@ -75,6 +76,30 @@ def test_miss_then_hit_with_http_semantics(origin, edge):
     assert status == 304 and body == b""
     status, _, body = get(f"{edge.url}/{key}", {"If-None-Match": '"other"'})
     assert status == 200 and body == data
+
+
+def test_a_client_that_reads_slowly_gets_every_byte_in_order(origin, edge):
+    """A body the socket cannot take at once: sent as far as it goes straight away, the
+    rest when the client reads (a tiny receive buffer and a client that waits first)."""
+    # 16 MiB: more than a socket's send buffer grows to (4 MiB at most by default)
+    key, data = large_chunk_object(16 << 20)
+    origin.client.put_object(Bucket=origin.bucket, Key=f"{BUCKET_PREFIX}/{key}", Body=data)
+    assert get(f"{edge.url}/{key}")[2] == data  # cached: the next one is a hit
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", edge.port))
+            sock.sendall(f"GET /{key} HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+            time.sleep(0.3)  # the edge's send blocks meanwhile
+            received = bytearray()
+            while b"\r\n\r\n" not in received or len(received) < received.index(
+                b"\r\n\r\n"
+            ) + 4 + len(data):
+                piece = sock.recv(65536)
+                assert piece, "the edge closed the connection early"
+                received += piece
+        head, _, body = bytes(received).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and body == data
 
 
 def test_64_concurrent_cold_gets_make_one_origin_get(origin, edge):
