@@ -21,8 +21,8 @@ hits is hashed; misses and the untimed pass all are), and hits are confirmed
 (nginx's ``X-Cache-Status``, the edge's ``/metrics``): a fast wrong answer
 cannot win. Prints req/s, MB/s
 (10^6 bytes), p50/p99 latency (request to last body byte), CPU use, the
-kvcdn/nginx ratios and the targets (hit throughput >= 0.5x nginx's, p99 hit
-latency < 2x) at each worker count; writes JSON. Server CPU is the server's
+kvcdn/nginx ratios and the targets (hit throughput >= 1x nginx's, miss throughput
+>= 0.8x) at each worker count; writes JSON. Server CPU is the server's
 processes' (a kvcdn supervisor and its workers, nginx's master and workers) user
 and system time over the phase, per request. Installs nothing: without nginx (on PATH or
 /usr/sbin/nginx) it says how to install it and exits 2; --no-nginx runs the
