@@ -361,24 +361,31 @@ class DiskCache:
             self.skips += 1
             return False
         self.drop(key)
-        if not self._make_room(len(data)):
-            self.skips += 1
-            return False
         digest = _digest(key)
         folder = self.root / "objects" / digest[:2]
         data_path = folder / digest
         meta_path = folder / f"{digest}.meta"
         tmp = folder / f".{digest}.{os.getpid()}.{threading.get_ident()}"
-        try:
+        placed = False
+
+        def place() -> None:
+            nonlocal placed
             folder.mkdir(exist_ok=True)
             _write_atomic(tmp, data_path, data)
+            placed = True
+
+        try:
+            if not self._make_room(len(data), place):
+                self.skips += 1
+                return False
             written = stamp_of(data_path.stat())
             meta = json.dumps({"key": key, "size": len(data), "etag": etag}).encode()
             _write_atomic(tmp, meta_path, meta)
         except OSError as exc:
             _unlink(tmp)
-            _unlink(data_path)
-            self._unreserve(len(data))
+            if placed:
+                _unlink(data_path)
+                self._unreserve(len(data))
             self._write_failed(key, exc)
             self.skips += 1
             return False
@@ -401,16 +408,19 @@ class DiskCache:
             self.skips += 1
             return False
         self.drop(key)
-        if not self._make_room(size):
-            self.skips += 1
-            return False
         digest = _digest(key)
         data_path = spool.path.with_name(digest)
         meta_path = spool.path.with_name(f"{digest}.meta")
         tmp = spool.path.with_name(f".{digest}.meta.{os.getpid()}.{threading.get_ident()}")
-        try:
+
+        def place() -> None:
             os.replace(spool.path, data_path)
             spool._placed = True
+
+        try:
+            if not self._make_room(size, place):
+                self.skips += 1
+                return False
             written = stamp_of(data_path.stat())
             meta = json.dumps({"key": key, "size": size, "etag": etag}).encode()
             _write_atomic(tmp, meta_path, meta)
@@ -418,7 +428,7 @@ class DiskCache:
             _unlink(tmp)
             if spool._placed:
                 _unlink(data_path)
-            self._unreserve(size)
+                self._unreserve(size)
             self._write_failed(key, exc)
             self.skips += 1
             return False
@@ -499,19 +509,35 @@ class DiskCache:
         _unlink(entry.path.with_suffix(".meta"))
         _unlink(entry.path)
 
-    def _make_room(self, size: int) -> bool:
-        """Room for one more object of ``size`` bytes: evicted for locally, or reserved
-        in the shared ledger (evicting across the folder when it is full)."""
+    def _make_room(self, size: int, place: Callable[[], None]) -> bool:
+        """Room for one more object of ``size`` bytes, and its file put into the folder by
+        ``place`` (OSError when it cannot be): evicted for locally, or reserved in the
+        shared ledger, evicting across the folder when it is full; False when there is
+        no room (nothing placed).
+
+        With siblings the file is placed while the ledger is held: a sibling's scan
+        (which rewrites the ledger from what the folder holds) then never finds a
+        reservation without its file, which it would forget, letting the folder pass
+        the bound."""
         if self.shared is None:
             self._evict(room_for=size, entries=1)
+            place()
             return True
+        failed: OSError | None = None
         with self.shared.ledger() as totals:
             if totals[0] + size > self.max_bytes or totals[1] + 1 > MAX_ENTRIES:
                 totals[:] = self._scan_evict(size)
             if totals[0] + size > self.max_bytes:
                 return False  # what is left is being written by siblings right now
-            totals[0] += size
-            totals[1] += 1
+            try:
+                place()
+            except OSError as exc:  # raised once the ledger (and any scan's count) is written
+                failed = exc
+            else:
+                totals[0] += size
+                totals[1] += 1
+        if failed is not None:
+            raise failed
         return True
 
     def _unreserve(self, size: int) -> None:

@@ -13,12 +13,13 @@
   of the process's locks), and threads of one process take a
   :class:`threading.Lock` around the ledger's byte as well.
 - ``usage``: the ledger, the bytes and objects the cache folder holds, under
-  byte 0's lock. Room for an object is reserved in it before the object is
-  renamed into place; when it would pass ``--max-bytes``, the reserving
-  worker scans the folder and evicts the least recently used objects (by the
-  meta files' mtimes, which hits refresh) down to 90% of the bound, and
-  writes the totals it counted (which also corrects any drift, e.g. from a
-  worker killed between a reservation and its rename).
+  byte 0's lock. Room for an object is reserved in it as the object is
+  renamed into place, under the lock (so a scan never counts one without the
+  other); when it would pass ``--max-bytes``, the reserving worker scans the
+  folder and evicts the least recently used objects (by the meta files'
+  mtimes, which hits refresh) down to 90% of the bound, and writes the totals
+  it counted (which also corrects any drift, e.g. from a worker killed while
+  writing).
 - ``workers/*.json``: each worker's counters, written every second and on
   each ``/metrics`` request; ``/metrics`` answers their sum.
 """
