@@ -251,7 +251,9 @@ def edge_serve(
         else:
             cache = DiskCache(cache_dir, _parse_size(max_bytes, "--max-bytes"))
         if supervisor:
-            Shared(cache_dir).set_totals(cache.bytes, len(cache))
+            shared = Shared(cache_dir)
+            shared.set_totals(cache.bytes, len(cache))
+            shared.start_run()
     except OSError as exc:
         raise click.BadParameter(f"cannot use {cache_dir}: {exc.strerror}") from None
     admin_token = _read_token(admin_token_file)

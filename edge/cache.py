@@ -311,19 +311,24 @@ class DiskCache:
 
     def load(self, key: str) -> Entry | None:
         """A worker's way to an entry a sibling cached: read from its meta file and
-        indexed (not yet verified here), or None. Always None without ``shared``."""
+        indexed, or None. Always None without ``shared``. It is verified here before
+        use unless the sibling verified the file as it is now, in this run."""
         if self.shared is None:
             return None
         digest = _digest(key)
         data_path = self.root / "objects" / digest[:2] / digest
         try:
             meta = json.loads(data_path.with_suffix(".meta").read_bytes())
-            size = data_path.stat().st_size
-            if meta["key"] != key or meta["size"] != size:
+            stamp = stamp_of(data_path.stat())
+            if meta["key"] != key or meta["size"] != stamp[1]:
                 return None  # being replaced, or damaged: fetched again, under the key lock
-            entry = Entry(key, size, meta["etag"], data_path)
+            entry = Entry(key, stamp[1], meta["etag"], data_path)
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        run = self.shared.run
+        if run is not None and meta.get("run") == run and meta.get("verified") == list(stamp):
+            # a sibling verified these very bytes in this run: not hashed again here
+            entry.verified = stamp
         with self._lock:
             self._index[key] = entry
             self._index.move_to_end(key)
@@ -379,8 +384,7 @@ class DiskCache:
                 self.skips += 1
                 return False
             written = stamp_of(data_path.stat())
-            meta = json.dumps({"key": key, "size": len(data), "etag": etag}).encode()
-            _write_atomic(tmp, meta_path, meta)
+            _write_atomic(tmp, meta_path, self._meta(key, len(data), etag, written))
         except OSError as exc:
             _unlink(tmp)
             if placed:
@@ -395,6 +399,14 @@ class DiskCache:
             self.writes += 1
         self._evict()  # another thread may have stored meanwhile
         return True
+
+    def _meta(self, key: str, size: int, etag: str, written: Stamp) -> bytes:
+        """An entry's meta file; with siblings, also this run and the stamp of the bytes
+        just verified and written, which they may trust (:meth:`load`)."""
+        meta: dict[str, object] = {"key": key, "size": size, "etag": etag}
+        if self.shared is not None and self.shared.run is not None:
+            meta |= {"run": self.shared.run, "verified": list(written)}
+        return json.dumps(meta).encode()
 
     def spool(self, key: str, limit: int) -> Spool:
         """A new spool for a miss of ``key`` of at most ``limit`` bytes."""
@@ -422,8 +434,7 @@ class DiskCache:
                 self.skips += 1
                 return False
             written = stamp_of(data_path.stat())
-            meta = json.dumps({"key": key, "size": size, "etag": etag}).encode()
-            _write_atomic(tmp, meta_path, meta)
+            _write_atomic(tmp, meta_path, self._meta(key, size, etag, written))
         except OSError as exc:
             _unlink(tmp)
             if spool._placed:

@@ -391,6 +391,7 @@ class Filler:
         try:
             stamp = stamp_of(os.fstat(f.fileno()))
             if stamp != entry.verified:
+                self.metrics.cache_verifications += 1
                 verified, _ = await asyncio.to_thread(verify_file, entry.key, info, f, self.trust)
                 entry.etag = verified.etag  # the same, unless an older edge filled the entry
                 if stamp_of(os.fstat(f.fileno())) == stamp:

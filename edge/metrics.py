@@ -21,6 +21,9 @@ class Metrics:
     origin_seconds: float = 0.0
     origin_errors: int = 0
     verify_failures: int = 0
+    #: Cached copies read and hashed again before use: the first use after a start,
+    #: a file that changed, or (with workers) one cached in an earlier run.
+    cache_verifications: int = 0
     stale_served: int = 0
     #: Stale copies of pointers not served because their signed expiry had passed.
     stale_expired_refused: int = 0
@@ -49,6 +52,7 @@ class Metrics:
             "kvcdn_edge_cache_write_skips_total": cache.skips,
             "kvcdn_edge_evictions_total": cache.evictions,
             "kvcdn_edge_verify_failures_total": self.verify_failures,
+            "kvcdn_edge_cache_verifications_total": self.cache_verifications,
             "kvcdn_edge_stale_served_total": self.stale_served,
             "kvcdn_edge_stale_expired_refused_total": self.stale_expired_refused,
             "kvcdn_edge_expired_pointers_fetched_total": self.expired_pointers_fetched,
@@ -99,6 +103,7 @@ _ORDER = [
     "kvcdn_edge_cache_write_skips_total",
     "kvcdn_edge_evictions_total",
     "kvcdn_edge_verify_failures_total",
+    "kvcdn_edge_cache_verifications_total",
     "kvcdn_edge_stale_served_total",
     "kvcdn_edge_stale_expired_refused_total",
     "kvcdn_edge_expired_pointers_fetched_total",

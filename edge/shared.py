@@ -20,6 +20,11 @@
   mtimes, which hits refresh) down to 90% of the bound, and writes the totals
   it counted (which also corrects any drift, e.g. from a worker killed while
   writing).
+- ``run``: a random id the supervisor writes at each start. A worker that
+  caches (and so has verified) an object writes the id and the data file's
+  stamp into its meta file; a sibling trusts that stamp, and sends the file
+  without hashing it again, only if the id is this run's and the file is
+  unchanged. After a restart (a power cut, say) every file is verified again.
 - ``workers/*.json``: each worker's counters, written every second and on
   each ``/metrics`` request; ``/metrics`` answers their sum.
 """
@@ -30,6 +35,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import struct
 import threading
 from collections.abc import Iterator
@@ -54,6 +60,18 @@ class Shared:
         self._usage = os.open(root / "usage", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self._thread_lock = threading.Lock()
         self._held: set[int] = set()  # key bytes this process holds
+        try:
+            self.run: str | None = (root / "run").read_text().strip() or None
+        except OSError:
+            self.run = None
+
+    def start_run(self) -> None:
+        """(The supervisor, before its workers start.) A new run: the files its workers
+        verify from now on may be trusted by their siblings (:attr:`run`)."""
+        self.run = secrets.token_hex(16)
+        tmp = self.root / ".run.tmp"
+        tmp.write_text(self.run)
+        os.replace(tmp, self.root / "run")
 
     # ---- per-key locks (the event loop's thread only) ----------------------------------
     def try_key(self, digest: str) -> bool:

@@ -97,6 +97,36 @@ def test_two_workers_fetch_a_cold_object_once_and_sum_their_metrics(origin, tmp_
     assert node.proc is not None and node.proc.returncode == 0
 
 
+def test_a_worker_trusts_what_a_sibling_verified_in_this_run_and_not_after_a_restart(
+    origin, tmp_path
+):
+    cache = tmp_path / "cache"
+    items = list(origin.objects.items())
+    node = _start(origin, cache)
+    try:
+        for key, data in items:  # each fetched and verified once, by one worker or the other
+            assert get(f"{node.url}/{key}")[2] == data
+        # new connections spread over both workers: each serves what the other cached
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda kv: get(f"{node.url}/{kv[0]}")[2], items * 8))
+        assert got == [data for _, data in items * 8]
+        m = _until(lambda: (m := node.metrics())["kvcdn_edge_hits_total"] == 48 and m)
+        per_worker = [json.loads(p.read_text()) for p in (cache / "workers").glob("*.json")]
+        assert all(w["kvcdn_edge_hits_total"] > 0 for w in per_worker)
+        assert m["kvcdn_edge_cache_verifications_total"] == 0  # no file hashed twice
+    finally:
+        node.kill()
+    node = _start(origin, cache)  # a new run: each file is verified at its first use
+    try:
+        for key, data in items:
+            assert get(f"{node.url}/{key}")[2] == data
+        m = _until(lambda: (m := node.metrics())["kvcdn_edge_hits_total"] == len(items) and m)
+        assert m["kvcdn_edge_cache_verifications_total"] == len(items)
+        assert m["kvcdn_edge_misses_total"] == 0
+    finally:
+        node.kill()
+
+
 def test_two_workers_keep_the_folder_under_max_bytes(origin, tmp_path):
     cache = tmp_path / "cache"
     size = len(next(iter(origin.objects.values())))
