@@ -20,6 +20,7 @@ back to an older version than the one held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -436,7 +437,7 @@ class Filler:
 
     async def _fill(self, key: str, info: KeyInfo) -> Filled:
         shared = self.cache.shared
-        if shared is None or revalidated(info, self.trust):
+        if shared is None:
             return await self._fill_here(key, info)
         # Coalescing across worker processes: the worker holding the key's lock fetches
         # it; the others wait for the lock, then find the copy it cached. Polled, so
@@ -447,6 +448,8 @@ class Filler:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.01)  # a sibling's 1 MiB fetch takes ~10 ms
         try:
+            if revalidated(info, self.trust):
+                return await self._revalidate_shared(key, info)
             entry = self.cache.load(key)
             if entry is not None:
                 found = await self._open_cached(entry, info)
@@ -457,6 +460,36 @@ class Filler:
             return await self._fill_here(key, info)
         finally:
             shared.release_key(digest)
+
+    async def _revalidate_shared(self, key: str, info: KeyInfo) -> Filled:
+        """(Holding the key's lock.) A pointer a sibling fetched less than
+        :data:`POINTER_TTL_S` ago (its disk copy, written or touched at each fetch, as
+        this one's is): verified from its bytes and reused, so N workers ask the origin
+        as often as one does. Fetched here otherwise."""
+        entry = self.cache.lookup(key) or self.cache.load(key)
+        if entry is not None:
+            try:
+                age = time.time() - entry.path.stat().st_mtime
+                if 0 <= age < POINTER_TTL_S:
+                    verified, data = await asyncio.to_thread(
+                        _verify_path, entry.path, key, info, self.trust
+                    )
+                    data, verified, _ = await self._newer_of(key, info, data, verified)
+                    self.pointers.put(key, (time.monotonic() - age, data, verified))
+                    self.metrics.worker_coalesced += 1
+                    return Filled(verified, len(data), data=data)
+            except (OSError, VerifyError) as exc:  # gone, or damaged: fetched again
+                log.debug("a sibling's copy of %s is not usable: %s", key, exc)
+        filled = await self._fill_here(key, info)
+        keeping = self._keeping.get(key)
+        if keeping is not None:  # on disk before the siblings look
+            await asyncio.shield(keeping)
+        else:  # unchanged: its copy is as fresh as this fetch
+            kept = self.cache.lookup(key)
+            if kept is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(kept.path)
+        return filled
 
     async def _fill_here(self, key: str, info: KeyInfo) -> Filled:
         spool, verified, data = await self._fetch(key, info)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcdn.keys import latest_key
+from kvcdn.manifest import pointer_bytes
 from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get
 
 PREFIX = "kv"
@@ -123,6 +125,38 @@ def test_a_worker_trusts_what_a_sibling_verified_in_this_run_and_not_after_a_res
         m = _until(lambda: (m := node.metrics())["kvcdn_edge_hits_total"] == len(items) and m)
         assert m["kvcdn_edge_cache_verifications_total"] == len(items)
         assert m["kvcdn_edge_misses_total"] == 0
+    finally:
+        node.kill()
+
+
+def test_two_workers_ask_the_origin_for_a_pointer_as_often_as_one(origin, tmp_path):
+    """A pointer is revalidated every 5 s: by one worker for all of them, which reuse
+    the copy it keeps on disk while it is fresh."""
+    key = latest_key("guide")
+    origin.client.put_object(Bucket=origin.bucket, Key=f"{PREFIX}/{key}",
+                             Body=pointer_bytes("guide", 1))  # fmt: skip
+    node = _start(origin, tmp_path / "cache")
+    try:
+        origin.start_recording()
+        started = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: get(f"{node.url}/{key}"), range(40)))
+        assert time.monotonic() - started < 4, "too slow to stay within one revalidation"
+        assert all(status == 200 and body == pointer_bytes("guide", 1)
+                   for status, _, body in results)  # fmt: skip
+        assert origin.origin_gets(key) == 1  # counted by the origin itself
+        def serving() -> int:  # workers that served it (their counters: <= 1 s old)
+            files = (tmp_path / "cache" / "workers").glob("*.json")
+            counts = [json.loads(p.read_text()) for p in files]
+            return sum(w["kvcdn_edge_hits_total"] + w["kvcdn_edge_misses_total"] > 0
+                       for w in counts)  # fmt: skip
+
+        _until(lambda: serving() == 2)  # both workers served it
+        time.sleep(5.2)  # stale now: asked again, once
+        with ThreadPoolExecutor(8) as pool:
+            assert all(r[0] == 200 for r in pool.map(lambda _: get(f"{node.url}/{key}"),
+                                                      range(40)))  # fmt: skip
+        assert origin.origin_gets(key) == 2
     finally:
         node.kill()
 
