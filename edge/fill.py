@@ -484,8 +484,8 @@ class Filler:
         keeping = self._keeping.get(key)
         if keeping is not None:  # on disk before the siblings look
             await asyncio.shield(keeping)
-        else:  # unchanged: its copy is as fresh as this fetch
-            kept = self.cache.lookup(key)
+        else:  # unchanged: its copy (whichever worker wrote it) is as fresh as this fetch
+            kept = self.cache.lookup(key) or self.cache.load(key)
             if kept is not None:
                 with contextlib.suppress(OSError):
                     os.utime(kept.path)

@@ -750,7 +750,7 @@ class S3Store(Store):
         None without credentials to sign with.
 
         botocore's client resolves where a bucket's keys live once; each key is then
-        signed by botocore's own query signer, a tenth of the client's per-call cost
+        signed by botocore's own query signer, about a third of the client's per-call cost
         (its endpoint rules, parameter checks and events), which an edge pays per miss."""
         bucket, _, path = self._path(key).partition("/")
         try:
