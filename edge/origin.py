@@ -85,7 +85,9 @@ class StoreOrigin:
         signed = self._store.presigned_get(key) if self._presigned else None
         if signed is not None:
             try:
-                return await self._http.stream(signed, key, spool)
+                # a redirect is not followed: where a store sends a signed request is the
+                # store client's business (region redirects), never an arbitrary host's
+                return await self._http.stream(signed, key, spool, redirects=False)
             except _Unexpected as exc:
                 if exc.status in SIGNING_REFUSED:
                     # the bucket is elsewhere, or the store does not take query signatures:
@@ -167,13 +169,14 @@ class _HTTPReads:
             )
         return self._session
 
-    async def stream(self, url: str, key: str, spool: Spool) -> None:
+    async def stream(self, url: str, key: str, spool: Spool, *, redirects: bool = True
+                     ) -> None:  # fmt: skip
         """GET ``url`` (the object ``key``) into ``spool``: :class:`OriginMissing` on a
-        404, :class:`_Unexpected` on another answer, :class:`OriginFailed` when the
-        request fails or sends more than the spool takes."""
+        404, :class:`_Unexpected` on another answer (a redirect, unless ``redirects``),
+        :class:`OriginFailed` when the request fails or sends more than the spool takes."""
         loop = asyncio.get_running_loop()
         try:
-            async with self.client().get(url) as resp:
+            async with self.client().get(url, allow_redirects=redirects) as resp:
                 if resp.status == 404:
                     raise OriginMissing(key)
                 if resp.status != 200:

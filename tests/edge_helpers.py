@@ -65,22 +65,34 @@ class MotoOrigin:
         self.objects: dict[str, bytes] = {}
 
     def start_recording(self) -> None:
-        for action in ("stop-recording", "reset-recording", "start-recording"):
-            post(f"{self.endpoint}/moto-api/recorder/{action}")
+        start_recording(self.endpoint)
 
     def stop_recording(self) -> None:  # the server is shared by the whole session
-        for action in ("stop-recording", "reset-recording"):
-            post(f"{self.endpoint}/moto-api/recorder/{action}")
+        stop_recording(self.endpoint)
 
     def origin_gets(self, key: str) -> int:
         """GETs of store key ``key`` that reached the origin since recording started."""
-        url = f"{self.endpoint}/moto-api/recorder/download-recording"
         path = f"/{self.bucket}/{self.prefix}/{key}"
-        with urllib.request.urlopen(url, timeout=10) as rec:
-            lines = [json.loads(line) for line in rec.read().decode().splitlines() if line.strip()]
-        return sum(
-            1 for r in lines if r["method"] == "GET" and r["url"].split("?")[0].endswith(path)
-        )
+        return sum(1 for url in recorded_gets(self.endpoint) if url.split("?")[0].endswith(path))
+
+
+def start_recording(endpoint: str) -> None:
+    """Moto's request recorder, emptied and started."""
+    for action in ("stop-recording", "reset-recording", "start-recording"):
+        post(f"{endpoint}/moto-api/recorder/{action}")
+
+
+def stop_recording(endpoint: str) -> None:
+    for action in ("stop-recording", "reset-recording"):
+        post(f"{endpoint}/moto-api/recorder/{action}")
+
+
+def recorded_gets(endpoint: str) -> list[str]:
+    """The URLs (with their queries) of the GETs moto's recorder holds."""
+    url = f"{endpoint}/moto-api/recorder/download-recording"
+    with urllib.request.urlopen(url, timeout=10) as rec:
+        lines = [json.loads(line) for line in rec.read().decode().splitlines() if line.strip()]
+    return [r["url"] for r in lines if r["method"] == "GET"]
 
 
 class EdgeProcess:
@@ -194,22 +206,30 @@ class Hostile:
 
 class RefusingQuerySignatures:
     """An S3 endpoint that takes only header-signed requests: a real HTTP server in a
-    thread, answering 403 to a query-signed (presigned) request as such a store does,
-    and passing every other request on to ``upstream`` (moto) as it came."""
+    thread, answering ``status`` to a query-signed (presigned) request (403, as such a
+    store does; or a redirect to its own ``/elsewhere``, counted if followed), and
+    passing every other request on to ``upstream`` (moto) as it came."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, status: int = 403) -> None:
         self.upstream = upstream.rstrip("/")
+        self.status = status
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.refused = 0
+        self.followed = 0  # requests to where a redirect pointed
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
+        if request.path.startswith("/elsewhere"):
+            self.followed += 1
+            return web.Response(status=404)
         if "X-Amz-Signature" in request.query:
             self.refused += 1
             body = b"<Error><Code>AccessDenied</Code><Message>query signatures</Message></Error>"
-            return web.Response(status=403, body=body, content_type="application/xml")
+            where = {"Location": f"{self.url}/elsewhere"} if 300 <= self.status < 400 else {}
+            return web.Response(status=self.status, body=body, headers=where,
+                                content_type="application/xml")  # fmt: skip
         async with aiohttp.ClientSession(auto_decompress=False) as session:
             async with session.request(
                 request.method, self.upstream + request.path_qs, data=await request.read(),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import urllib.request
 import uuid
 
 import boto3
@@ -14,7 +12,15 @@ from kvcdn.errors import NotFound, StoreError
 from kvcdn.keys import latest_key, manifest_key
 from kvcdn.publish import publish
 from kvcdn.store import open_store
-from tests.edge_helpers import EdgeProcess, RefusingQuerySignatures, chunk_object, get, post
+from tests.edge_helpers import (
+    EdgeProcess,
+    RefusingQuerySignatures,
+    chunk_object,
+    get,
+    recorded_gets,
+    start_recording,
+    stop_recording,
+)
 
 
 def test_store_primitives(s3):
@@ -74,13 +80,6 @@ def test_bad_credentials_are_reported(ceph_endpoint, monkeypatch):
         open_store("s3://kvcdn-auth/x", endpoint_url=ceph_endpoint.endpoint)
 
 
-def _recorded_gets(endpoint: str) -> list[str]:
-    """The URLs of the GETs moto's request recorder holds."""
-    with urllib.request.urlopen(f"{endpoint}/moto-api/recorder/download-recording") as rec:
-        lines = [json.loads(line) for line in rec.read().decode().splitlines() if line.strip()]
-    return [r["url"] for r in lines if r["method"] == "GET"]
-
-
 def test_an_edge_reads_a_miss_with_one_presigned_get(s3, tmp_path):
     """An edge's miss is one query-signed GET made on its own event loop (not through
     s3fs's threads), on moto and on Ceph RGW, and the signature never reaches its log."""
@@ -88,16 +87,15 @@ def test_an_edge_reads_a_miss_with_one_presigned_get(s3, tmp_path):
     for key, data in objects.items():
         s3.client.put_object(Bucket=s3.bucket, Key=f"kv/{key}", Body=data)
     if s3.server == "moto":
-        for action in ("stop-recording", "reset-recording", "start-recording"):
-            post(f"{s3.endpoint}/moto-api/recorder/{action}")
+        start_recording(s3.endpoint)
     edge = EdgeProcess(s3.url(), tmp_path / "cache", s3.endpoint).start()
     try:
         for key, data in objects.items():
             assert get(f"{edge.url}/{key}")[2] == data
         assert edge.metrics()["kvcdn_edge_origin_errors_total"] == 0
         if s3.server == "moto":
-            got = [u for u in _recorded_gets(s3.endpoint) if f"/{s3.bucket}/kv/" in u]
-            post(f"{s3.endpoint}/moto-api/recorder/stop-recording")
+            got = [u for u in recorded_gets(s3.endpoint) if f"/{s3.bucket}/kv/" in u]
+            stop_recording(s3.endpoint)
             assert len(got) == len(objects)
             assert all("X-Amz-Signature=" in u and "X-Amz-Expires=900" in u for u in got)
     finally:
@@ -107,23 +105,25 @@ def test_an_edge_reads_a_miss_with_one_presigned_get(s3, tmp_path):
     assert "X-Amz-Signature" not in output and "X-Amz-Credential" not in output
 
 
+@pytest.mark.parametrize("status", [403, 307])
 def test_an_edge_whose_store_refuses_presigned_gets_reads_through_the_store_client(
-    moto_endpoint, tmp_path
+    moto_endpoint, tmp_path, status
 ):
-    """A store that refuses query signatures (403) costs one refused GET: that miss is
-    read again through the store's client, and so is every later one."""
+    """A store that refuses query signatures (403), or redirects them elsewhere (307,
+    never followed), costs one refused GET: that miss is read again through the
+    store's client, and so is every later one."""
     objects = dict(chunk_object(seed) for seed in (43, 44, 45))
     bucket = f"kvcdn-{uuid.uuid4().hex[:12]}"
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
     client.create_bucket(Bucket=bucket)
     for key, data in objects.items():
         client.put_object(Bucket=bucket, Key=f"kv/{key}", Body=data)
-    with RefusingQuerySignatures(moto_endpoint) as store:
+    with RefusingQuerySignatures(moto_endpoint, status) as store:
         edge = EdgeProcess(f"s3://{bucket}/kv", tmp_path / "cache", store.url).start()
         try:
             for key, data in objects.items():
                 assert get(f"{edge.url}/{key}")[2] == data
-            assert store.refused == 1
+            assert store.refused == 1 and store.followed == 0
             assert edge.metrics()["kvcdn_edge_origin_errors_total"] == 0
         finally:
             edge.kill()
