@@ -19,6 +19,7 @@ import logging
 import resource
 import signal
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -295,13 +296,39 @@ async def _serve(edge: Edge, host: str, port: int, idle_timeout_s: float, limit:
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    _on_stop_signals(loop, stop.set)
     try:
         await _LimitedSite(runner, host, port, limit, reuse_port=reuse_port).start()
         await stop.wait()
     finally:
+        _ignore_stop_signals(loop)
         await runner.cleanup()
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _on_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
+    """``stop()`` on SIGINT or SIGTERM. asyncio writes each signal into its wakeup
+    pipe; a full pipe (a burst of signals) already holds a stop, so the rest are
+    dropped without Python's warning. The signals wait while the pipe is swapped."""
+    for sig in _STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        signal.set_wakeup_fd(signal.set_wakeup_fd(-1), warn_on_full_buffer=False)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Once told to stop, the (bounded) close ignores being told again (systemd and
+    the supervisor both tell a worker): asyncio's close() shuts its wakeup pipe
+    before removing its handlers, and a signal between the two prints a traceback."""
+    for sig in _STOP_SIGNALS:
+        loop.remove_signal_handler(sig)  # the last one also clears the wakeup fd
+        signal.signal(sig, signal.SIG_IGN)
+    log.info("stopping: closing connections and finishing cache writes")
 
 
 def connection_limit() -> int:

@@ -77,14 +77,20 @@ def supervise(command: Callable[[str], list[str]], workers: int, counters: Path,
     stop = []
 
     procs: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
+    signalled: set[int] = set()
 
     def on_signal(signum: int, frame: object) -> None:
         stop.append(signum)
         # at once, not at the next turn of the loop: a stopped edge stops taking
         # requests as soon as one process would (its clients fail over then)
+        stop_workers()
+
+    def stop_workers() -> None:
+        # once each: a second SIGTERM would reach a worker while it closes
         for proc, _ in list(procs.values()):
-            if proc.poll() is None:
+            if proc.pid not in signalled and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+                signalled.add(proc.pid)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -121,9 +127,7 @@ def supervise(command: Callable[[str], list[str]], workers: int, counters: Path,
                     exited(proc.pid)
                 start(slot)
     finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        stop_workers()
         deadline = time.monotonic() + STOP_WAIT_S
         for proc, _ in procs.values():
             try:

@@ -75,6 +75,7 @@ def main() -> None:
         )
     store = f"s3://{args.bucket}/kv"
     edges: list[subprocess.Popen] = []
+    caches = tempfile.TemporaryDirectory()
     try:
         origin = open_store(store, endpoint_url=endpoint)
         with sdk.Client(store=origin) as client:
@@ -84,34 +85,33 @@ def main() -> None:
                 manual = (files("kvcdn.cli") / "data" / "sed-manual.txt").read_text()
                 publish(text=manual, name="sed-manual", model=client.model(), store=origin)
 
-            with tempfile.TemporaryDirectory() as caches:
-                urls = []
-                for i in range(2):
-                    proc, url = start_edge(store, endpoint, f"{caches}/edge-{i}")
-                    edges.append(proc)
-                    urls.append(url)
-                # through the edges, the store last; models and measurements shared
-                edged = client.with_options(store=origin, edges=urls)
-                ctx = edged.load_context("sed-manual")
-                served = Counter(ctx.plan.chunk_sources)
-                print(f"first load: chunks served by {dict(served)}")
+            urls = []
+            for i in range(2):
+                proc, url = start_edge(store, endpoint, f"{caches.name}/edge-{i}")
+                edges.append(proc)
+                urls.append(url)
+            # through the edges, the store last; models and measurements shared
+            edged = client.with_options(store=origin, edges=urls)
+            ctx = edged.load_context("sed-manual")
+            served = Counter(ctx.plan.chunk_sources)
+            print(f"first load: chunks served by {dict(served)}")
 
-                home = served.most_common(1)[0][0]
-                stopped = edges[urls.index(home)]
-                stopped.terminate()
-                stopped.wait(timeout=20)  # every process of that edge has exited
-                ctx = edged.load_context("sed-manual")
-                print(f"after stopping {home}: chunks served by "
-                      f"{dict(Counter(ctx.plan.chunk_sources))}")  # fmt: skip
-                answer = ctx.generate("What is sed?", max_new_tokens=32)
-                print(f"A: {answer.text.strip()}")
+            home = served.most_common(1)[0][0]
+            stopped = edges[urls.index(home)]
+            stopped.terminate()
+            stopped.wait(timeout=20)  # every process of that edge has exited
+            ctx = edged.load_context("sed-manual")
+            print(f"after stopping {home}: chunks served by "
+                  f"{dict(Counter(ctx.plan.chunk_sources))}")  # fmt: skip
+            answer = ctx.generate("What is sed?", max_new_tokens=32)
+            print(f"A: {answer.text.strip()}")
     finally:
-        for proc in edges:
+        for proc in edges:  # stopped before their cache folders are removed
             proc.terminate()
             proc.wait(timeout=20)
+        caches.cleanup()
         if moto is not None:
             moto.stop()
-
 
 if __name__ == "__main__":
     main()

@@ -226,3 +226,23 @@ def test_workers_must_be_at_least_one(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert "--workers" in result.stderr and "0" in result.stderr
+
+
+def test_workers_stop_quietly_however_often_they_are_told_to(origin, tmp_path):
+    """A worker told to stop again while it closes (a supervisor's SIGTERM, then an
+    operator's) exits without asyncio's wakeup-pipe traceback, and the supervisor
+    tells each worker once."""
+    for _ in range(3):
+        node = _start(origin, tmp_path / "cache")
+        assert node.proc is not None
+        workers = _workers(node.proc.pid)
+        node.proc.send_signal(signal.SIGTERM)
+        while node.proc.poll() is None:  # told again and again until it has gone
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        node.log.seek(0)
+        log = node.log.read().decode()
+        assert "Traceback" not in log and "Exception ignored" not in log, log[-3000:]
