@@ -222,16 +222,18 @@ class ReaderStats:
                                       s["sum"])  # fmt: skip
             yield family
 
-    def drain(self) -> dict[str, list[list[Any]]]:
+    def drain(self, leading: Sequence[str] = ()) -> dict[str, list[list[Any]]]:
         """What was recorded since the last drain, as plain lists (vLLM sends it between
         processes): ``{"counters": [[name, labels, delta]], "observations": [[name,
-        labels, [values]]]}``. Empty without ``keep_observations``."""
+        labels, [values]]]}``, each entry's label values after ``leading`` ones (the
+        connector's tenant). Empty without ``keep_observations``."""
         with self._lock:
             counts, self._new_counts = self._new_counts, {}
             seen, self._new_observations = self._new_observations, {}
+        first = list(leading)
         return {
-            "counters": [[n, list(labels), v] for (n, labels), v in counts.items()],
-            "observations": [[n, list(labels), vs] for (n, labels), vs in seen.items()],
+            "counters": [[n, [*first, *labels], v] for (n, labels), v in counts.items()],
+            "observations": [[n, [*first, *labels], vs] for (n, labels), vs in seen.items()],
         }
 
     def _key(self, name: str, kind: str, labels: dict[str, str]) -> tuple[str, tuple[str, ...]]:
@@ -256,9 +258,11 @@ def merge_drained(into: dict[str, list[list[Any]]], more: dict[str, list[list[An
     into.setdefault("observations", []).extend(more.get("observations", []))
 
 
-def checked_drained(data: Any) -> Iterator[tuple[Metric, tuple[str, ...], str, Any]]:
-    """The entries of a drained dict that name a known metric with its labels: (metric,
-    label values, "counter" or "histogram", the delta or the observations)."""
+def checked_drained(data: Any, leading: int = 0
+                    ) -> Iterator[tuple[Metric, tuple[str, ...], str, Any]]:  # fmt: skip
+    """The entries of a drained dict that name a known metric with its labels (after
+    ``leading`` label values of the drain's own): (metric, label values, "counter" or
+    "histogram", the delta or the observations)."""
     if not isinstance(data, dict):
         return
     for kind, field in (("counter", "counters"), ("histogram", "observations")):
@@ -269,6 +273,6 @@ def checked_drained(data: Any) -> Iterator[tuple[Metric, tuple[str, ...], str, A
             metric = METRICS.get(name) if isinstance(name, str) else None
             if metric is None or metric.kind != kind or not isinstance(labels, (list, tuple)):
                 continue
-            if len(labels) != len(metric.labels):
+            if len(labels) != leading + len(metric.labels):
                 continue
             yield metric, tuple(str(v) for v in labels), kind, value

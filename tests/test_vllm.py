@@ -42,6 +42,7 @@ pytestmark = [
 ]
 
 QUESTION = "What does the -n option of sed do?"
+ACME = "acme's salt"  # a tenant of `vllm serve`'s, named acme on /metrics
 TENANT_A = "tenant-a salt"  # configured as the salt itself
 TENANT_B = "tenant-b salt"  # configured as sha256:HEX of it
 #: How vLLM prefixes its own log lines: kvcdn's lines inside vLLM carry the same fields.
@@ -448,6 +449,9 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
             "store": origin.url, "endpoint_url": moto_endpoint,
             "edges": [e.url for e in edges], "model": "smollm2-135m",
             "quality": "fp16",  # exact KV: the same greedy answer as vLLM's own prefill
+            # a named tenant reading the same store without the edges
+            "tenants": {ACME: {"store": origin.url, "endpoint_url": moto_endpoint,
+                               "name": "acme"}},
         },
     }  # fmt: skip
     log = tmp_path / "serve.log"
@@ -489,6 +493,9 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
             # the answer starts as vLLM's own (fp16 KV from transformers' fp32 prefill
             # is not bf16-identical to vLLM's, so long greedy answers may part later)
             assert got[:4] == own[:4], ("".join(got), "".join(own))
+        for salt, expect in ((ACME, shared), ("nobody's salt", 0)):
+            got, _, cached = _chat(base, text, QUESTION, cache_salt=salt)
+            assert cached == expect, salt
         _metrics_count_the_loads(base, manifest, shared, [e.url for e in edges])
     finally:
         server.terminate()
@@ -501,9 +508,10 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
 
 
 def _metrics_count_the_loads(base: str, manifest, shared: int, edges: list[str]) -> None:
-    """Two requests loaded ``shared`` tokens at fp16 through the edges (or the origin):
-    vLLM's /metrics says so, with its own model and engine labels; the requests sent
-    with ``kvcdn_load: false`` were never looked up."""
+    """Two unsalted requests loaded ``shared`` tokens at fp16 through the edges (or the
+    origin), one of tenant acme from the store, and one whose salt no tenant has got
+    nothing: vLLM's /metrics says so, with its own model and engine labels and each
+    tenant's label; the requests sent with ``kvcdn_load: false`` were never looked up."""
     from prometheus_client.parser import text_string_to_metric_families
 
     chunks = shared // 256
@@ -519,22 +527,31 @@ def _metrics_count_the_loads(base: str, manifest, shared: int, edges: list[str])
         text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         samples[:] = [s for f in text_string_to_metric_families(text) for s in f.samples
                       if s.name.startswith("kvcdn_")]  # fmt: skip
-        if total("kvcdn_loaded_tokens_total") >= 2 * shared or time.monotonic() > deadline:
+        if total("kvcdn_loaded_tokens_total") >= 3 * shared or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert all(s.labels.get("model_name") == "kvcdn-model" and s.labels.get("engine") == "0"
                for s in samples)  # fmt: skip
-    assert total("kvcdn_lookups_total", result="hit") == 2
-    assert total("kvcdn_lookups_total") == 2
-    assert total("kvcdn_claimed_tokens_total") == 2 * shared
-    assert total("kvcdn_loaded_tokens_total") == 2 * shared
-    assert total("kvcdn_chunks_total", level="fp16") == total("kvcdn_chunks_total") == 2 * chunks
-    assert total("kvcdn_read_bytes_total", level="fp16") == 2 * fp16_bytes
-    sources = {s.labels["source"] for s in samples if s.name == "kvcdn_read_bytes_total"}
+    assert {s.labels.get("tenant") for s in samples} == {"default", "acme", "unmapped"}
+    assert total("kvcdn_lookups_total", tenant="default", result="hit") == 2
+    assert total("kvcdn_lookups_total", tenant="acme", result="hit") == 1
+    assert total("kvcdn_lookups_total", tenant="unmapped", result="refused",
+                 reason="tenant") == 1  # fmt: skip
+    assert total("kvcdn_lookups_total") == 4
+    for tenant, loads in (("default", 2), ("acme", 1)):
+        assert total("kvcdn_claimed_tokens_total", tenant=tenant) == loads * shared
+        assert total("kvcdn_loaded_tokens_total", tenant=tenant) == loads * shared
+        assert total("kvcdn_chunks_total", tenant=tenant, level="fp16") == loads * chunks
+        assert total("kvcdn_read_bytes_total", tenant=tenant, level="fp16") == loads * fp16_bytes
+        assert total("kvcdn_load_seconds_count", tenant=tenant) == loads
+    assert total("kvcdn_chunks_total") == 3 * chunks
+    sources = {s.labels["source"] for s in samples
+               if s.name == "kvcdn_read_bytes_total" and s.labels["tenant"] == "default"}
     assert sources and sources <= {*edges, "origin"}
+    assert {s.labels["source"] for s in samples if s.name == "kvcdn_read_bytes_total"
+            and s.labels["tenant"] == "acme"} == {"store"}  # fmt: skip
     assert total("kvcdn_recomputed_chunks_total") == 0
-    assert total("kvcdn_load_seconds_count") == 2
-    assert total("kvcdn_lookup_seconds_count") >= 1
+    assert total("kvcdn_lookup_seconds_count", tenant="default") >= 1
 
 
 @pytest.mark.parametrize(
@@ -555,6 +572,11 @@ def _metrics_count_the_loads(base: str, manifest, shared: int, edges: list[str])
         ({"tenants": {"salt": {"edges": []}}}, "tenant #1: store must be"),
         ({"tenants": {"a": {"store": "/a"}, "b": {"store": "/b", "trust": 5}}},
          "tenant #2: trust must be a string"),
+        ({"tenants": {"a": {"store": "/a", "name": "acme corp"}}}, "tenant #1: name must be"),
+        ({"tenants": {"a": {"store": "/a", "name": "default"}}},
+         "tenant #1: the name 'default' is taken"),
+        ({"tenants": {"a": {"store": "/a", "name": "acme"}, "b": {"store": "/b", "name": "acme"}}},
+         "tenant #2: the name 'acme' is taken"),
     ],
 )
 def test_connector_configuration_mistakes_are_named(extra, problem):

@@ -19,7 +19,7 @@ from kvcdn.signing import TrustPolicy
 from .. import checks
 from ..bounded import BoundedReader
 from ..loader import AUTO, open_reader
-from ..stats import ReaderStats
+from ..stats import ReaderStats, merge_drained
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,7 +62,7 @@ class ConnectorConfig:
     layer_groups: int = 1
     #: vLLM's ``cache_salt`` -> what a salted request reads: ``{"sha256:HEX" (of the salt;
     #: or the salt itself): {"store": ..., "endpoint_url", "edges", "edge_token",
-    #: "trust"}}``. A salted request with no entry gets nothing from kvcdn; unsalted
+    #: "trust", "name"}}``. A salted request with no entry gets nothing from kvcdn; unsalted
     #: requests read ``store`` (docs/vllm.md, "Tenants").
     tenants: dict[str, dict[str, Any]] | None = None
 
@@ -110,6 +110,14 @@ class Source:
     edges: list[str] | None = None
     edge_token: str | None = None
     trust: str | None = None
+    #: The tenant's ``tenant`` label on vLLM's /metrics (default: ``sha256:`` and the
+    #: first 12 hex digits of its salt's digest).
+    name: str | None = None
+
+
+#: The ``tenant`` label of unsalted requests, and of salted ones no tenant has.
+DEFAULT_TENANT, UNMAPPED_TENANT = "default", "unmapped"
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 _SALT_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
@@ -128,6 +136,7 @@ def tenant_sources(tenants: Any) -> dict[str, Source]:
     if not isinstance(tenants, dict):
         raise KvcdnError("tenants must map cache salts (or sha256:HEX of them) to stores")
     out: dict[str, Source] = {}
+    names: set[str] = set()
     for n, (salt, entry) in enumerate(tenants.items()):
         where = f"tenant #{n + 1}"  # never the salt itself: it is a secret
         if not isinstance(salt, str) or not salt:
@@ -142,9 +151,16 @@ def tenant_sources(tenants: Any) -> dict[str, Source]:
         source = Source(**{"store": None, **entry})
         if not isinstance(source.store, str) or not source.store:
             raise KvcdnError(f"{where}: store must be a store URL or folder")
-        for name in ("endpoint_url", "edge_token", "trust"):
+        for name in ("endpoint_url", "edge_token", "trust", "name"):
             if getattr(source, name) is not None and not isinstance(getattr(source, name), str):
                 raise KvcdnError(f"{where}: {name} must be a string")
+        if source.name is not None:
+            if not _TENANT_NAME.match(source.name):
+                raise KvcdnError(f"{where}: name must be 1 to 64 letters, digits, '_', '.' "
+                                 "or '-', starting with a letter or digit")  # fmt: skip
+            if source.name in (DEFAULT_TENANT, UNMAPPED_TENANT) or source.name in names:
+                raise KvcdnError(f"{where}: the name {source.name!r} is taken")
+            names.add(source.name)
         if source.edges is not None and (not isinstance(source.edges, list)
                                          or not all(isinstance(e, str) for e in source.edges)):
             raise KvcdnError(f"{where}: edges must be a list of edge URLs")  # fmt: skip
@@ -208,9 +224,14 @@ class ConnectorSetup:
                 raise KvcdnError(f"{self.identity.name}: {self.identity.unsupported}")
         except Exception as exc:  # the engine runs on without kvcdn, and says why
             self.disable(str(exc))
-        #: What this role's lookups and loads did, for vLLM's metrics (:mod:`.stats`).
-        edges = [e for source in self._sources.values() for e in source.edges or ()]
-        self.stats = ReaderStats(edges, keep_observations=True)
+        # What this role's lookups and loads did, for vLLM's metrics (:mod:`.stats`), by
+        # tenant (None: salts no tenant has): a bounded set, the configured tenants.
+        self._stats: dict[str | None, ReaderStats] = {
+            key: ReaderStats(source.edges or (), keep_observations=True)
+            for key, source in self._sources.items()
+        }
+        self._stats.setdefault("", ReaderStats(keep_observations=True))  # (disabled early)
+        self._stats[None] = ReaderStats(keep_observations=True)
 
     @property
     def active(self) -> bool:
@@ -227,6 +248,27 @@ class ConnectorSetup:
         None: kvcdn gives it nothing (a salt no tenant has)."""
         key = "" if cache_salt is None else tenant_key(cache_salt)
         return key if key in self._sources else None
+
+    def stats_of(self, tenant: str | None) -> ReaderStats:
+        """What ``tenant``'s requests did (:meth:`tenant_of`; None: a salt no tenant has)."""
+        return self._stats.get(tenant, self._stats[None])
+
+    def drain_stats(self) -> dict[str, list[list[Any]]]:
+        """Every tenant's :meth:`ReaderStats.drain`, each entry's labels after its tenant's
+        ``tenant`` label."""
+        out: dict[str, list[list[Any]]] = {"counters": [], "observations": []}
+        for tenant, stats in self._stats.items():
+            merge_drained(out, stats.drain((self.tenant_label(tenant),)))
+        return out
+
+    def tenant_label(self, tenant: str | None) -> str:
+        """A tenant's ``tenant`` label: its configured name, or what it is known by."""
+        if tenant is None:
+            return UNMAPPED_TENANT
+        if tenant == "":
+            return DEFAULT_TENANT
+        source = self._sources.get(tenant)
+        return source.name if source is not None and source.name else f"sha256:{tenant[:12]}"
 
     @property
     def trust(self) -> TrustPolicy | None:

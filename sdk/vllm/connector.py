@@ -131,7 +131,7 @@ class KvcdnConnector(KVConnectorBase_V1):
     # ---- metrics (vLLM's /metrics and its periodic log line) -------------------------------
     def get_kv_connector_stats(self) -> KvcdnConnectorStats | None:
         """What this role recorded since vLLM last asked (each step)."""
-        drained = self.setup.stats.drain()
+        drained = self.setup.drain_stats()
         stats = KvcdnConnectorStats(data=drained)
         return None if stats.is_empty() else stats
 

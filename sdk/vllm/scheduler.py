@@ -140,7 +140,8 @@ class KvcdnScheduler:
             return self._matched(request, num_computed_tokens)
         except Exception as exc:
             log.warning("kvcdn: request %s computed by vLLM: %s", request.request_id, exc)
-            self.setup.stats.lookup("failed", "error")
+            tenant = self.setup.tenant_of(getattr(request, "cache_salt", None))
+            self.setup.stats_of(tenant).lookup("failed", "error")
             return 0, False
 
     def _matched(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
@@ -158,7 +159,7 @@ class KvcdnScheduler:
             return 0, False
         tenant = self.setup.tenant_of(getattr(request, "cache_salt", None))
         if tenant is None:  # a salt no tenant has: its timing must say nothing of any store
-            self.setup.stats.lookup("refused", "tenant")
+            self.setup.stats_of(None).lookup("refused", "tenant")
             return 0, False
         quality = params.get(QUALITY_PARAM, self.config.quality)
         deadline_s = params.get(DEADLINE_PARAM, self.config.deadline_s)
@@ -168,7 +169,7 @@ class KvcdnScheduler:
         manifest = self._manifest(req_id, ids[:chunk], identity.fingerprint, tenant)
         if manifest is None:
             return (None, False) if req_id in self._asked else (0, False)
-        stats = self.setup.stats
+        stats = self.setup.stats_of(tenant)
         if not isinstance(quality, str) or (quality != AUTO and quality not in manifest.levels):
             log.info("kvcdn: request %s asks for quality %r, which %s does not have",
                      req_id, quality, manifest.ref)  # fmt: skip
@@ -196,7 +197,7 @@ class KvcdnScheduler:
         """The document the request's first chunk begins, if its lookup has answered; a
         request still waiting for it stays in ``_asked`` (vLLM asks again next step)."""
         now = time.monotonic()
-        stats = self.setup.stats
+        stats = self.setup.stats_of(tenant)
         waited = self._asked.get(req_id)
         if waited is None:
             if now < self._lookups_paused_until:
@@ -272,7 +273,8 @@ class KvcdnScheduler:
                 lookup.outcome = lookup_failure(exc)
                 raise
             finally:
-                self.setup.stats.observe("kvcdn_lookup_seconds", time.perf_counter() - started)
+                self.setup.stats_of(tenant).observe("kvcdn_lookup_seconds",
+                                                    time.perf_counter() - started)
                 lookup.done_at = time.monotonic()
 
         lookup.future = self._lookup_pool.submit(run)
@@ -393,7 +395,7 @@ class KvcdnScheduler:
         for spec in done:
             seen = failed | self._failed_so_far.pop(spec.req_id, set())
             self._outcomes[spec.req_id] = outcome = self._outcome(spec, seen)
-            self.setup.stats.inc("kvcdn_loaded_tokens", outcome["loaded_tokens"])
+            self.setup.stats_of(spec.tenant).inc("kvcdn_loaded_tokens", outcome["loaded_tokens"])
 
     def _outcome(self, spec: LoadSpec, failed: set[int]) -> dict[str, Any]:
         return {
@@ -420,7 +422,7 @@ class KvcdnScheduler:
             # update_connector_output: vLLM finishes no request whose load failed
             # (an abort says nothing of the load)
             outcome = self._outcome(sent, set())
-            self.setup.stats.inc("kvcdn_loaded_tokens", outcome["loaded_tokens"])
+            self.setup.stats_of(sent.tenant).inc("kvcdn_loaded_tokens", outcome["loaded_tokens"])
         return False, ({"kvcdn": outcome} if outcome is not None else None)
 
     def shutdown(self) -> None:

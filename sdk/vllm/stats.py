@@ -5,7 +5,8 @@ Each role (the scheduler in the engine core, each worker) records into its own
 (``get_kv_connector_stats``), adds the workers' together and the scheduler's to them
 (:meth:`KvcdnConnectorStats.aggregate`), and hands the sum to its metrics process,
 where :class:`KvcdnPromMetrics` adds it to Prometheus counters and histograms named as
-the SDK's (docs/sdk.md), with vLLM's own ``model_name`` and ``engine`` labels first.
+the SDK's (docs/sdk.md), with vLLM's own ``model_name`` and ``engine`` labels first,
+then ``tenant`` (:meth:`ConnectorSetup.tenant_label`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from ..stats import METRICS, checked_drained, merge_drained
+
+#: The label the connector puts before each metric's own: whose requests they were.
+TENANT_LABEL = "tenant"
 
 
 class KvcdnConnectorStats(KVConnectorStats):
@@ -42,12 +46,12 @@ class KvcdnConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         """The interval's totals for vLLM's periodic log line."""
         totals: dict[str, float] = {}
-        for metric, labels, kind, value in checked_drained(self.data):
+        for metric, labels, kind, value in checked_drained(self.data, leading=1):
             if kind != "counter" or not _number(value):
                 continue
             name = metric.name.removeprefix("kvcdn_")
             if metric.name == "kvcdn_lookups":
-                name = f"lookups {labels[0]}"
+                name = f"lookups {labels[1]}"
             elif metric.name == "kvcdn_read_bytes":
                 name, value = "read MB", value / 1e6
             totals[name] = totals.get(name, 0.0) + value
@@ -68,7 +72,7 @@ class KvcdnPromMetrics(KVConnectorPromMetrics):
         _unregister_ours()  # an earlier logger's (vLLM builds one per engine client)
         self._families: dict[str, Any] = {}
         for metric in METRICS.values():
-            names = [*labelnames, *metric.labels]
+            names = [*labelnames, TENANT_LABEL, *metric.labels]
             if metric.kind == "counter":
                 family = self._counter_cls(name=metric.name, documentation=metric.help,
                                            labelnames=names)  # fmt: skip
@@ -82,7 +86,7 @@ class KvcdnPromMetrics(KVConnectorPromMetrics):
         engine = self.per_engine_labelvalues.get(engine_idx)
         if engine is None:
             return
-        for metric, labels, kind, value in checked_drained(transfer_stats_data):
+        for metric, labels, kind, value in checked_drained(transfer_stats_data, leading=1):
             child = self._families[metric.name].labels(*engine, *labels)
             if kind == "counter":
                 if _number(value) and value > 0:

@@ -199,14 +199,16 @@ class KvcdnWorker:
             )
             loaded_to = min(spec.end, (first_chunk + result.loaded_chunks) * chunk)
             # tokens are counted by the scheduler, once for every worker
-            self.setup.stats.load(result.chunks, time.perf_counter() - started,
-                                  refinements_dropped=result.refinements_dropped,
-                                  loaded_tokens=0)  # fmt: skip
+            self.setup.stats_of(spec.tenant).load(
+                result.chunks, time.perf_counter() - started,
+                refinements_dropped=result.refinements_dropped, loaded_tokens=0,
+            )  # fmt: skip
         except Exception as exc:
             log.warning("kvcdn: loading %s for request %s failed: %s", spec.manifest.ref,
                         spec.req_id, exc)  # fmt: skip
-            self.setup.stats.inc("kvcdn_recomputed_chunks", end_chunk - first_chunk,
-                                 reason=failure_kind(exc))  # fmt: skip
+            self.setup.stats_of(spec.tenant).inc("kvcdn_recomputed_chunks",
+                                                 end_chunk - first_chunk,
+                                                 reason=failure_kind(exc))  # fmt: skip
         failed = spec.unfilled(loaded_to, self.block_size)
         if failed:
             log.info("kvcdn: request %s: %d of %d tokens loaded; vLLM computes the rest",
