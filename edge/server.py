@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
 import signal
 import time
@@ -322,13 +323,21 @@ def _on_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) 
 
 
 def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
-    """Once told to stop, the (bounded) close ignores being told again (systemd and
-    the supervisor both tell a worker): asyncio's close() shuts its wakeup pipe
-    before removing its handlers, and a signal between the two prints a traceback."""
+    """Once told to stop, the (bounded) close ignores SIGTERM again (systemd and the
+    supervisor both send it to a worker): asyncio's close() shuts its wakeup pipe
+    before removing its handlers, and a signal between the two prints a traceback.
+    A second Ctrl-C (SIGINT: only a person sends it) stops the process at once;
+    what it was writing is a spool, removed at the next start."""
     for sig in _STOP_SIGNALS:
         loop.remove_signal_handler(sig)  # the last one also clears the wakeup fd
-        signal.signal(sig, signal.SIG_IGN)
-    log.info("stopping: closing connections and finishing cache writes")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, _exit_now)
+    log.info("stopping: closing connections and finishing cache writes (Ctrl-C again: "
+             "stop at once)")  # fmt: skip
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    os._exit(128 + signum)
 
 
 def connection_limit() -> int:

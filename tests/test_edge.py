@@ -100,6 +100,34 @@ def test_a_client_that_reads_slowly_gets_every_byte_in_order(origin, edge):
         assert head.startswith(b"HTTP/1.1 200") and body == data
 
 
+def test_a_second_ctrl_c_stops_an_edge_still_sending_at_once(origin, tmp_path):
+    """The first SIGINT closes gracefully, waiting for a response still being sent; a
+    second one (a person pressing Ctrl-C again) stops the process at once."""
+    key, data = large_chunk_object(16 << 20)
+    origin.client.put_object(Bucket=origin.bucket, Key=f"{BUCKET_PREFIX}/{key}", Body=data)
+    node = EdgeProcess(origin.url, tmp_path / "cache", origin.endpoint).start()
+    assert node.proc is not None
+    try:
+        assert get(f"{node.url}/{key}")[2] == data
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", node.port))
+            sock.sendall(f"GET /{key} HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+            time.sleep(0.3)  # a response the edge cannot finish: nobody reads it
+            node.proc.send_signal(signal.SIGINT)
+            time.sleep(1.0)
+            assert node.proc.poll() is None  # closing, waiting for that response
+            node.proc.send_signal(signal.SIGTERM)  # (systemd's, say): ignored
+            time.sleep(0.3)
+            assert node.proc.poll() is None
+            node.proc.send_signal(signal.SIGINT)
+            assert node.proc.wait(timeout=5) == 128 + signal.SIGINT
+    finally:
+        node.kill(signal.SIGKILL)
+    node.log.seek(0)
+    assert "Traceback" not in node.log.read().decode()
+
+
 def test_64_concurrent_cold_gets_make_one_origin_get(origin, edge):
     key, data = list(origin.objects.items())[1]
     origin.start_recording()
