@@ -328,12 +328,24 @@ def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
     before removing its handlers, and a signal between the two prints a traceback.
     A second Ctrl-C (SIGINT: only a person sends it) stops the process at once;
     what it was writing is a spool, removed at the next start."""
-    for sig in _STOP_SIGNALS:
-        loop.remove_signal_handler(sig)  # the last one also clears the wakeup fd
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, _exit_now)
+    # Python handlers, not SIG_IGN: a signal already caught but not yet handled finds
+    # SIG_IGN as "ignored due to race condition", with a traceback. The signals wait
+    # while the handlers change (between asyncio's removal and ours, SIGTERM's default
+    # would kill the process).
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        for sig in _STOP_SIGNALS:
+            loop.remove_signal_handler(sig)  # the last one also clears the wakeup fd
+        signal.signal(signal.SIGTERM, _stopping_already)
+        signal.signal(signal.SIGINT, _exit_now)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     log.info("stopping: closing connections and finishing cache writes (Ctrl-C again: "
              "stop at once)")  # fmt: skip
+
+
+def _stopping_already(signum: int, frame: object) -> None:
+    pass
 
 
 def _exit_now(signum: int, frame: object) -> None:
