@@ -20,7 +20,8 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -302,7 +303,7 @@ async def _serve(edge: Edge, host: str, port: int, idle_timeout_s: float, limit:
         await _LimitedSite(runner, host, port, limit, reuse_port=reuse_port).start()
         await stop.wait()
     finally:
-        _ignore_stop_signals(loop)
+        _signals_while_closing(loop)
         await runner.cleanup()
 
 
@@ -315,14 +316,11 @@ def _on_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) 
     dropped without Python's warning. The signals wait while the pipe is swapped."""
     for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, stop)
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
+    with _stop_signals_held():
         signal.set_wakeup_fd(signal.set_wakeup_fd(-1), warn_on_full_buffer=False)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+def _signals_while_closing(loop: asyncio.AbstractEventLoop) -> None:
     """Once told to stop, the (bounded) close ignores SIGTERM again (systemd and the
     supervisor both send it to a worker): asyncio's close() shuts its wakeup pipe
     before removing its handlers, and a signal between the two prints a traceback.
@@ -332,16 +330,23 @@ def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
     # SIG_IGN as "ignored due to race condition", with a traceback. The signals wait
     # while the handlers change (between asyncio's removal and ours, SIGTERM's default
     # would kill the process).
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
+    with _stop_signals_held():
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)  # the last one also clears the wakeup fd
         signal.signal(signal.SIGTERM, _stopping_already)
         signal.signal(signal.SIGINT, _exit_now)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     log.info("stopping: closing connections and finishing cache writes (Ctrl-C again: "
              "stop at once)")  # fmt: skip
+
+
+@contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait (pending, not lost) while their handling changes."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _stopping_already(signum: int, frame: object) -> None:
