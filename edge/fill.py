@@ -33,7 +33,7 @@ from kvcdn.keys import KeyInfo
 from kvcdn.manifest import format_expiry
 from kvcdn.signing import TrustPolicy
 
-from .cache import DiskCache, Entry, Spool, stamp_of
+from .cache import DiskCache, Entry, Spool, SpoolFull, stamp_of
 from .metrics import Metrics
 from .origin import Origin, OriginFailed, OriginMissing
 from .verify import (
@@ -541,11 +541,13 @@ class Filler:
         """What a fetched spool holds: a content-addressed object by its hash (only its
         header is read back), a document from its bytes (a few at a time).
 
-        A content-addressed object is also made the cached copy of its key, in the same
-        thread: a hand-over to a thread and back costs as much as both steps."""
+        The spool's last piece is written, and a content-addressed object made the
+        cached copy of its key, in the same thread: a hand-over to a thread and back
+        costs as much as all three steps."""
         if info.kind in CONTENT_ADDRESSED:
 
             def verify_and_keep() -> Verified:
+                spool.flush()
                 checked = verify_content(
                     key, info, size=spool.size, sha256=spool.sha256, read_at=spool.read_at
                 )
@@ -554,7 +556,7 @@ class Filler:
 
             return await asyncio.to_thread(verify_and_keep), None
         async with self._parses:
-            data = await asyncio.to_thread(spool.read_all)
+            data = await asyncio.to_thread(spool.read_all)  # flushed first
             return await asyncio.to_thread(verify, key, info, data, self.trust), data
 
     async def _keep(self, key: str, data: bytes, tag: str) -> None:
@@ -593,6 +595,10 @@ class Filler:
                 self.metrics.verify_failures += 1
                 log.error("origin %s sent bad bytes for %s: %s", origin.url, key, exc)
                 last = OriginFailed(f"{origin.url} sent bytes that fail verification: {exc}")
+                continue
+            except SpoolFull as exc:  # its last piece found the spools' budget spent
+                spool.discard()
+                last = OriginFailed(f"origin {origin.url} sent {key}: {exc}")
                 continue
             except BaseException:
                 spool.discard()

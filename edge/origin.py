@@ -23,7 +23,7 @@ FETCH_THREADS = 64
 MAX_LISTING_BYTES = 16 << 20  # one page of a parent's listing, held in memory to parse
 #: Listings read from an HTTP origin at once: each holds up to MAX_LISTING_BYTES.
 LISTINGS_AT_ONCE = 4
-PIECE = 1 << 20  # bytes of a body read (and written to its spool) at a time
+PIECE = 1 << 20  # bytes of a listing's body read at a time
 #: Answers to a presigned GET that say it will never work here: a bucket in another
 #: region (301, 400), a store that refuses query signatures (400, 403, 501).
 SIGNING_REFUSED = frozenset({301, 307, 400, 403, 501})
@@ -186,16 +186,12 @@ class _HTTPReads:
                 check_length(self.origin, resp, spool.limit, key)
                 # written (and hashed) off the event loop a piece at a time: the edge
                 # holds a piece per miss, never an object. The socket's reads (64 KiB)
-                # are gathered into pieces first: each hand-over to a thread costs more
-                # than hashing and writing 64 KiB.
-                piece = bytearray()
+                # are held until a piece's worth is due: each hand-over to a thread
+                # costs more than hashing and writing 64 KiB. The last piece is
+                # written by the verifier's thread (Spool.flush).
                 async for data in resp.content.iter_any():
-                    piece += data
-                    if len(piece) >= PIECE:
-                        await loop.run_in_executor(None, spool.write, piece)
-                        piece = bytearray()
-                if piece:
-                    await loop.run_in_executor(None, spool.write, piece)
+                    if spool.hold(data):
+                        await loop.run_in_executor(None, spool.flush)
         except asyncio.TimeoutError:
             raise OriginFailed(f"origin {self.origin} timed out on {key}", timeout=True) from None
         except aiohttp.ClientError as exc:
