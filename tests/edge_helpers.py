@@ -28,10 +28,10 @@ from kvcdn.keys import object_key
 from tests.conftest import free_port
 
 
-def chunk_object(seed: int) -> tuple[str, bytes]:
-    """A real fp16 chunk container of about 1 MiB, and its store key."""
+def chunk_object(seed: int, layers: int = 4) -> tuple[str, bytes]:
+    """A real fp16 chunk container of about 1 MiB (``layers`` / 4 of it), and its key."""
     rng = np.random.default_rng(seed)
-    kv = torch.from_numpy(rng.standard_normal((4, 2, 2, 256, 64)).astype(np.float32))
+    kv = torch.from_numpy(rng.standard_normal((layers, 2, 2, 256, 64)).astype(np.float32))
     chunk_hash = f"{seed:064x}"
     level = FIXED_LEVELS["fp16"]
     data = encode_chunk(level, kv, chunk_hash)

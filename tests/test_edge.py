@@ -500,6 +500,36 @@ def test_running_warm_jobs_are_bounded(tmp_path, monkeypatch):
     asyncio.run(main())
 
 
+def test_a_miss_past_the_spools_budget_is_refused_and_leaves_no_spool(tmp_path):
+    """A piece-sized miss is written to its spool only by the verifier's thread, where
+    the spools' budget is checked: past it, the miss is answered 502 and its spool
+    removed; with room again the same key is served. The origin is a parent edge
+    over HTTP (the path that holds a body's reads in memory until then)."""
+    key, data = chunk_object(3, layers=2)  # half a MiB
+    root = tmp_path / "origin"
+    (root / key).parent.mkdir(parents=True)
+    (root / key).write_bytes(data)
+
+    async def main() -> None:
+        parent = Edge(DiskCache(tmp_path / "parent", 1 << 30), [open_origin(str(root))])
+        async with _serving(parent) as parent_url:
+            cache = DiskCache(tmp_path / "cache", 1 << 30)
+            cache.max_spool_bytes = len(data) - 1
+            node = Edge(cache, [open_origin(parent_url)])
+            async with _serving(node) as url, aiohttp.ClientSession() as client:
+                async with client.get(f"{url}/{key}") as resp:
+                    assert resp.status == 502
+                    assert "misses being fetched hold" in await resp.text()
+                assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+                assert cache.spooled_bytes == 0 and node.metrics.origin_fetches == 1
+                cache.max_spool_bytes = len(data)
+                async with client.get(f"{url}/{key}") as resp:
+                    assert resp.status == 200 and await resp.read() == data
+                assert len(cache) == 1 and cache.spooled_bytes == 0
+
+    asyncio.run(main())
+
+
 def test_the_disk_cache_index_is_bounded_in_entries(tmp_path, monkeypatch):
     monkeypatch.setattr(edge_cache, "MAX_ENTRIES", 3)
     cache = DiskCache(tmp_path / "cache", 1 << 30)
