@@ -23,7 +23,7 @@ FETCH_THREADS = 64
 MAX_LISTING_BYTES = 16 << 20  # one page of a parent's listing, held in memory to parse
 #: Listings read from an HTTP origin at once: each holds up to MAX_LISTING_BYTES.
 LISTINGS_AT_ONCE = 4
-PIECE = 1 << 20  # bytes of a listing's body read at a time
+LISTING_PIECE = 1 << 20  # bytes of a listing's body read at a time
 #: Answers to a presigned GET that say it will never work here: a bucket in another
 #: region (301, 400), a store that refuses query signatures (400, 403, 501).
 SIGNING_REFUSED = frozenset({301, 307, 400, 403, 501})
@@ -231,7 +231,7 @@ class HTTPOrigin:
         """A small response body (a listing), refused past ``max_bytes``."""
         check_length(self.url, resp, max_bytes, what)
         pieces, size = [], 0
-        async for piece in resp.content.iter_chunked(PIECE):
+        async for piece in resp.content.iter_chunked(LISTING_PIECE):
             size += len(piece)
             if size > max_bytes:
                 raise OriginFailed(f"origin {self.url} sent more than {max_bytes} bytes for {what}")
