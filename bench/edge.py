@@ -16,7 +16,8 @@ over the rounds (and each round's kvcdn/nginx ratio): on a shared 2-CPU host one
 server's miss rate moves by half from one run to the next, with the state of the
 host's memory, so a single run's ratio says little. Every run's cache is kept
 until the end: removing one makes the next run's file creations slower (ext4
-skips recently freed inodes), which would penalise the server that runs next.
+skips recently freed inodes), which would penalise the server that runs next; so
+the run needs ``--objects`` x ``--size`` x servers x rounds of free disk.
 
 The load generator runs in ``--client-procs`` processes of its own, one
 keep-alive connection per client: a minimal asyncio HTTP/1.1 client reading
