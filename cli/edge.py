@@ -140,8 +140,9 @@ def _parse_size(value: str, option: str) -> int:
     metavar="N",
     help="Worker processes: N event loops on N cores, one port (SO_REUSEPORT) and one "
     "cache folder. A miss reaches the origin once across workers, --max-bytes bounds the "
-    "folder, /metrics sums them; a worker that dies is started again. 1: a single "
-    "process, no supervisor. [default: the cores this process may use]",
+    "folder, /metrics sums them, any worker answers for every warm job; a worker that "
+    "dies is started again. 1: a single process, no supervisor. [default: the cores this "
+    "process may use; 1 with --rate-limit or --throttle-trace]",
 )
 @click.option("--worker-name", hidden=True, help="(Internal: set by the supervisor.)")
 @trust_option
@@ -242,7 +243,14 @@ def edge_serve(
     origins = [open_origin(origin, origin_timeout, endpoint_url=endpoint_url)]
     if parent:  # a parent edge of the same network takes the same read token
         origins.insert(0, open_origin(parent, origin_timeout, read_token))
-    n_workers = workers or available_cores()
+    shaped = bool(rate_limit or throttle_trace)
+    if shaped and workers is not None and workers > 1:
+        # each worker would send at the whole rate, or replay the trace on its own clock
+        raise click.UsageError(
+            "--rate-limit and --throttle-trace shape one link, which one process sends on: "
+            "leave --workers out (a shaped edge runs one process) or set it to 1"
+        )
+    n_workers = workers or (1 if shaped else available_cores())
     supervisor = worker_name is None and n_workers > 1
     try:
         if worker_name is not None:  # the supervisor rebuilt the folder and its ledger

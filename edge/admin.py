@@ -17,7 +17,7 @@ from aiohttp import web
 from .auth import Access
 from .shaping import LinkShaper
 from .verify import check_key
-from .warm import Ensure, WarmBusy, Warmer
+from .warm import Ensure, JobBoard, WarmBusy, Warmer
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,12 @@ class Admin:
         *,
         warm_concurrency: int = 8,
         shaper: LinkShaper | None = None,
+        board: JobBoard | None = None,
     ) -> None:
         self.access = access
         self.shaper = shaper
         self._ensure = ensure
+        self._board = board  # several workers: warm jobs shown to each other
         self._warm_concurrency = warm_concurrency
         self.warmer: Warmer | None = None  # made on start-up, inside the event loop
         self._busy = 0  # admin requests being served
@@ -59,7 +61,7 @@ class Admin:
         router.add_post("/shaping", self.shaping)
 
     async def start(self) -> None:
-        self.warmer = Warmer(self._ensure, self._warm_concurrency)
+        self.warmer = Warmer(self._ensure, self._warm_concurrency, self._board)
 
     async def close(self) -> None:
         if self.warmer is not None:
@@ -124,24 +126,21 @@ class Admin:
         except WarmBusy as exc:
             raise web.HTTPServiceUnavailable(text=f"{exc}\n") from None
         return web.json_response(
-            job.to_json(), status=202 if started else 200, headers={"Location": f"/warm/{job.id}"}
+            job, status=202 if started else 200, headers={"Location": f"/warm/{job['id']}"}
         )
 
     async def warm_status(self, request: web.Request) -> web.Response:
         self.access.check_admin(request)
         assert self.warmer is not None
-        job = self.warmer.jobs.get(request.match_info["id"])
+        job = self.warmer.status(request.match_info["id"])
         if job is None:
             raise web.HTTPNotFound(text="no such warm job (finished jobs are kept a while)\n")
-        return web.json_response(job.to_json())
+        return web.json_response(job)
 
     async def warm_jobs(self, request: web.Request) -> web.Response:
         self.access.check_admin(request)
         assert self.warmer is not None
-        jobs = [
-            {k: v for k, v in j.to_json().items() if k != "errors"}
-            for j in self.warmer.jobs.values()
-        ]
+        jobs = [{k: v for k, v in j.items() if k != "errors"} for j in self.warmer.statuses()]
         return web.json_response({"jobs": jobs})
 
     # ---- link shaping ----------------------------------------------------------

@@ -49,6 +49,7 @@ from .s3auth import S3Keys
 from .shaping import LinkShaper
 from .shared import summed_counters, write_counters
 from .verify import cache_control, check_key
+from .warm import JobBoard
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,11 @@ class Edge:
         self.shaper = shaper  # sends bodies no faster than a rate or a trace
         self.metrics = Metrics()
         self.fill = Filler(cache, origins, self.metrics, trust=trust, max_stale_s=max_stale_s)
-        self.admin = Admin(
-            self.access, self.fill.ensure, warm_concurrency=warm_concurrency, shaper=shaper
-        )
+        board = None
+        if worker is not None and cache.shared is not None:
+            board = JobBoard(cache.root / "warm-jobs", cache.shared)
+        self.admin = Admin(self.access, self.fill.ensure, warm_concurrency=warm_concurrency,
+                           shaper=shaper, board=board)  # fmt: skip
 
     # ---- the app -------------------------------------------------------------
     def app(self) -> web.Application:

@@ -27,6 +27,9 @@
   unchanged. After a restart (a power cut, say) every file is verified again.
 - ``workers/*.json``: each worker's counters, written every second and on
   each ``/metrics`` request; ``/metrics`` answers their sum.
+- ``warm-jobs/*.json``: the warm jobs, each shown by the worker that runs it
+  (which holds the job's lock byte meanwhile), so that any worker answers for
+  it: :class:`~.warm.JobBoard`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 
 from kvcdn.keys import latest_key
 from kvcdn.manifest import pointer_bytes
-from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get
+from tests.edge_helpers import EdgeProcess, MotoOrigin, chunk_object, get, post_json
 
 PREFIX = "kv"
 
@@ -216,6 +216,136 @@ def test_a_killed_worker_is_started_again_and_requests_keep_being_served(origin,
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status"
                                                                      ).read_text()  # fmt: skip
+
+
+@pytest.fixture
+def slow_parent(origin, tmp_path):
+    """A parent edge that sends 1 MB/s (one process, as every shaped edge): warming the
+    origin's six half-MiB objects through it takes about 3 s."""
+    parent = EdgeProcess(origin.url, tmp_path / "parent", origin.endpoint,
+                         "--rate-limit", "1M").start()  # fmt: skip
+    yield parent
+    parent.kill()
+
+
+def _job(url: str, ident: str) -> dict:
+    """``GET /warm/{id}`` on a new connection (so on either worker): it must be found."""
+    status, _, body = get(f"{url}/warm/{ident}")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def _both_answered(cache: Path) -> bool:
+    """Both workers have answered admin or object requests (their counters say so)."""
+    per_worker = [json.loads(p.read_text()) for p in (cache / "workers").glob("*.json")]
+    return len(per_worker) == 2 and all(
+        sum(v for k, v in w.items() if k.startswith("kvcdn_edge_responses_total")) > 0
+        for w in per_worker
+    )
+
+
+def test_any_worker_answers_for_a_warm_job_and_a_second_post_joins_it(origin, slow_parent,
+                                                                      tmp_path):  # fmt: skip
+    """A warm job runs in one worker; a client's status requests reach either worker
+    (each a new connection) and always find it; posting the same keys again, to
+    either worker, joins the running job instead of starting a second run."""
+    cache = tmp_path / "cache"
+    node = _start(origin, cache, "--parent", slow_parent.url)
+    try:
+        keys = sorted(origin.objects)
+        status, job = post_json(f"{node.url}/warm", {"keys": keys})
+        assert status == 202 and job["state"] == "running"
+        with ThreadPoolExecutor(6) as pool:
+            again = list(pool.map(lambda _: post_json(f"{node.url}/warm", {"keys": keys}),
+                                  range(12)))  # fmt: skip
+        assert [s for s, _ in again] == [200] * 12, again  # joined, never a second run
+        assert {j["id"] for _, j in again} == {job["id"]}
+        assert all(j["state"] == "running" for _, j in again)
+
+        answers = []
+
+        def finished() -> dict | None:
+            answers.append(_job(node.url, job["id"]))
+            return answers[-1] if answers[-1]["state"] != "running" else None
+
+        final = _until(finished, 60)
+        assert final["state"] == "done", final
+        assert (final["fetched"], final["cached"], final["failed"]) == (len(keys), 0, 0)
+        assert final["bytes_fetched"] == sum(len(d) for d in origin.objects.values())
+        done = [a["done"] for a in answers]
+        assert done == sorted(done)  # progress as it went, whichever worker answered
+        with ThreadPoolExecutor(8) as pool:
+            assert all(a == final for a in pool.map(lambda _: _job(node.url, job["id"]),
+                                                    range(24)))  # fmt: skip
+            listed = list(pool.map(lambda _: get(f"{node.url}/warm"), range(8)))
+        for status, _, body in listed:
+            assert status == 200
+            assert [j["id"] for j in json.loads(body)["jobs"]] == [job["id"]]
+        _until(lambda: _both_answered(cache))  # the requests above reached both workers
+        for key, data in origin.objects.items():
+            assert get(f"{node.url}/{key}")[:3:2] == (200, data)
+        # the parent was asked once per key: one run, and the objects were on the node
+        m = slow_parent.metrics()
+        assert m["kvcdn_edge_hits_total"] + m["kvcdn_edge_misses_total"] == len(keys)
+    finally:
+        node.kill()
+
+
+def test_a_warm_job_whose_worker_dies_is_reported_failed_and_can_be_posted_again(
+    origin, slow_parent, tmp_path
+):
+    cache = tmp_path / "cache"
+    node = _start(origin, cache, "--parent", slow_parent.url)
+    try:
+        keys = sorted(origin.objects)
+        status, job = post_json(f"{node.url}/warm", {"keys": keys})
+        assert status == 202
+        shown = json.loads((cache / "warm-jobs" / f"{job['id']}.json").read_text())
+        assert shown["state"] == "running"
+        assert node.proc is not None and shown["by"] in _workers(node.proc.pid)
+        os.kill(shown["by"], signal.SIGKILL)  # the worker running the job
+
+
+        def settled() -> dict | None:
+            try:
+                j = _job(node.url, job["id"])
+            except ConnectionError:  # queued on the killed worker's socket as it closed
+                return None
+            return j if j["state"] != "running" else None
+
+        lost = _until(settled)
+        assert lost["state"] == "failed" and lost["done"] < len(keys)
+        assert "stopped before it finished" in lost["errors"][-1]["error"]
+        _until(lambda: len(_workers(node.proc.pid)) == 2)  # started again
+        status, rerun = post_json(f"{node.url}/warm", {"keys": keys})
+        assert status == 202 and rerun["id"] == job["id"]
+        final = _until(settled, 60)
+        assert final["state"] == "done" and final["fetched"] + final["cached"] == len(keys)
+        for key, data in origin.objects.items():
+            assert get(f"{node.url}/{key}")[2] == data
+    finally:
+        node.kill()
+
+
+def test_a_shaped_edge_is_one_process(origin, tmp_path):
+    """A rate limit or a trace shapes one link: an edge of several workers would send
+    at the whole rate from each."""
+    base = [sys.executable, "-m", "kvcdn.cli.main", "edge", "serve", "--origin", origin.url,
+            "--endpoint-url", origin.endpoint, "--cache-dir", str(tmp_path / "c")]  # fmt: skip
+    refused = subprocess.run([*base, "--workers", "2", "--rate-limit", "1M"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2
+    assert "--rate-limit and --throttle-trace shape one link" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    node = EdgeProcess(origin.url, tmp_path / "c", origin.endpoint, "--rate-limit", "1M")
+    at = node.args.index("--workers")
+    del node.args[at : at + 2]  # the default worker count
+    node.start()
+    try:
+        assert node.proc is not None and _workers(node.proc.pid) == set()
+        assert "workers" not in node.output()
+    finally:
+        node.kill()
 
 
 def test_workers_must_be_at_least_one(tmp_path):
