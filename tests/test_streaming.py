@@ -123,7 +123,9 @@ def test_when_the_link_stalls_fetches_are_cancelled_and_chunks_recomputed(store,
     assert plan.cancelled >= 1  # the fetches in flight when the link died were abandoned
     assert any(c.abandoned for c in plan.chunks)
     assert plan.chunk_levels.count(TEXT) >= 6
-    assert plan.chunk_levels[0] != TEXT  # chunk 0 came while the link was up
+    # what came, came while the link was up: in the link's terms, not the wall clock's
+    # (a busy machine may start the load's first fetch late in that quarter second)
+    assert plan.bytes <= 16e6 * 0.25, json.dumps([c.__dict__ for c in plan.chunks], indent=1)
     for c in plan.chunks:
         assert c.source == (TEXT if c.level == TEXT else edge.url)
     # recomputed chunks attend to the decoded prefix: the answer matches full prefill's
