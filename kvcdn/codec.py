@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -226,24 +227,77 @@ class PartRead:
     key: str = ""  # the object's key
 
 
+class IndexCache:
+    """Indexes of version-2 objects, as checked against the digests manifests record:
+    a reader that reads one object in several parts (a layer-ordered load reads each
+    chunk once per group of layers) fetches and parses its index once.
+
+    An entry is found only by the object's key, size and index digest together, the
+    three things its check was made against, so a cached index is exactly what a
+    fetch would have checked. Bounded by the indexes' bytes (least recently used
+    dropped first); safe to share between threads."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[str, int, str], tuple[ChunkIndex, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(ref: ObjectRef) -> tuple[str, int, str]:
+        assert ref.index is not None
+        return ref.key, ref.bytes, ref.index.sha256
+
+    def get(self, ref: ObjectRef) -> ChunkIndex | None:
+        with self._lock:
+            found = self._entries.get(self._key(ref))
+            if found is None:
+                return None
+            self._entries.move_to_end(self._key(ref))
+            return found[0]
+
+    def put(self, ref: ObjectRef, index: ChunkIndex, size: int) -> None:
+        """Keep ``index``, checked against ``ref`` (``size``: its bytes)."""
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(self._key(ref), None)
+            self._bytes -= old[1] if old is not None else 0
+            self._entries[self._key(ref)] = (index, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self._bytes -= dropped
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 def read_part(reader: Reader, ref: ObjectRef, part: Part | None, *, name: str,
-              **fetch_options: Any) -> PartRead:  # fmt: skip
+              indexes: IndexCache | None = None, **fetch_options: Any) -> PartRead:  # fmt: skip
     """``part`` of the version-2 object ``ref`` names (None: all its layers and heads;
     of a nested object, the tiers of the level ``ref`` is for unless the part says):
-    its index, checked against the digest ``ref`` records, then the byte runs holding
-    the part's sections, each section checked against its sha256 in the index before
-    it is kept. A source that serves bad bytes fails its check (an edge reader then
-    tries the next)."""
+    its index, checked against the digest ``ref`` records (or found in ``indexes``,
+    where it is kept), then the byte runs holding the part's sections, each section
+    checked against its sha256 in the index before it is kept. A source that serves
+    bad bytes fails its check (an edge reader then tries the next)."""
     if ref.index is None:
         raise FormatError(f"{name} is a version-1 object: it is read whole")
-    digest = ref.index.sha256
+    index = indexes.get(ref) if indexes is not None else None
+    index_bytes, index_source = 0, ""
+    if index is None:
+        digest = ref.index.sha256
 
-    def index_holds(data: bytes) -> None:
-        parse_index(data, name=name, object_size=ref.bytes, digest=digest)
+        def index_holds(data: bytes) -> None:
+            parse_index(data, name=name, object_size=ref.bytes, digest=digest)
 
-    got = reader.fetch(ObjectSpan(ref, 0, ref.index.bytes), check=index_holds, **fetch_options)
-    index = parse_index(got.data, name=name, object_size=ref.bytes, digest=digest,
-                        verify_digest=False)  # fmt: skip
+        got = reader.fetch(ObjectSpan(ref, 0, ref.index.bytes), check=index_holds,
+                           **fetch_options)  # fmt: skip
+        index = parse_index(got.data, name=name, object_size=ref.bytes, digest=digest,
+                            verify_digest=False)  # fmt: skip
+        index_bytes, index_source = len(got.data), got.source
+        if indexes is not None:
+            indexes.put(ref, index, index_bytes)
     layers, _, heads = index.header.shape[:3]
     if part is None or part.tiers is None:
         part = level_part(ref, part, layers, heads) or Part.whole(layers, heads)
@@ -252,8 +306,8 @@ def read_part(reader: Reader, ref: ObjectRef, part: Part | None, *, name: str,
     except FormatError as exc:
         raise FormatError(f"{name}: {exc}") from None
     sections, nbytes, source = _read_sections(reader, ref, index, wanted, name, fetch_options)
-    return PartRead(index.header, Body(2, sections=sections), part, len(got.data) + nbytes,
-                    source or got.source, index, ref.key)  # fmt: skip
+    return PartRead(index.header, Body(2, sections=sections), part, index_bytes + nbytes,
+                    source or index_source, index, ref.key)  # fmt: skip
 
 
 def read_more(reader: Reader, ref: ObjectRef, held: PartRead, *, name: str,

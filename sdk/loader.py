@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcdn import catalog
-from kvcdn.codec import TEXT_LEVEL, is_exact, uses_profile
+from kvcdn.codec import TEXT_LEVEL, IndexCache, is_exact, uses_profile
 from kvcdn.codec_profile import CodecProfile
 from kvcdn.document import document_text, is_document_path, read_document, source_digest
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, KvcdnError, NotFound
@@ -432,6 +432,7 @@ def load_prefix_into(
     profiles: ProfileCache,
     fingerprint: str,
     deadline_s: float | None = None,
+    indexes: IndexCache | None = None,
 ) -> PipelineResult:
     """An engine's load: the longest run of ``manifest``'s chunks ``[first, end)``
     (``chunks``) that arrives, verifies and decodes into ``target``, by
@@ -442,7 +443,8 @@ def load_prefix_into(
     once, when it found the document); ``fingerprint`` is the model's. A chunk that
     fails ends the prefix (nothing after it is written) instead of failing the load. With
     ``quality="auto"`` and a deadline, each chunk's level is planned to arrive
-    in time, from the link's throughput as measured while it loads.
+    in time, from the link's throughput as measured while it loads. ``indexes``: the
+    engine's checked indexes of objects it reads in part (:class:`IndexCache`).
     """
     if manifest.model_fingerprint != fingerprint:  # the caller's full check covers the rest
         raise FingerprintMismatch(f"{manifest.ref} holds KV of model {manifest.model_name}, "
@@ -462,8 +464,9 @@ def load_prefix_into(
         deadline_at=deadline_at if quality == AUTO else None,
         fetch_deadline=give_up_at,
     )
+    mode = EngineLoad(chunks, give_up_at, device, indexes)
     pipeline = Pipeline(manifest, target, reader, profile, assumed_speed(manifest), predictor,
-                        policy, options, EngineLoad(chunks, give_up_at, device))  # fmt: skip
+                        policy, options, mode)  # fmt: skip
     result = pipeline.run()
     log.info(
         "loaded %d of %d chunks of %s into the engine (%s) in %.3f s",

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
-from kvcdn.codec import PartRead, decode_into, read_more, read_part
+from kvcdn.codec import IndexCache, PartRead, decode_into, read_more, read_part
 from kvcdn.codecs import TensorDest
 from kvcdn.errors import DeadlineExceeded, FormatError, KvcdnError, NotFound, TrustError
-from kvcdn.manifest import ChunkEntry, Manifest
+from kvcdn.manifest import ChunkEntry, Manifest, ObjectRef
 from kvcdn.models import LoadedModel
 from kvcdn.store import Cancel, FetchCancelled, Reader
 
@@ -302,6 +302,7 @@ class AppLoad:
 
     partial: ClassVar[bool] = False
     give_up_at: ClassVar[float | None] = None
+    indexes: ClassVar[IndexCache | None] = None  # each object is read once
 
     @property
     def device(self) -> str:
@@ -320,6 +321,9 @@ class EngineLoad:
     chunks: tuple[int, int]
     give_up_at: float | None
     device: str
+    #: The engine's checked indexes: a layer-ordered load reads each object in several
+    #: parts, and fetches its index once.
+    indexes: IndexCache | None = None
 
     partial: ClassVar[bool] = True
     loaded: ClassVar[None] = None
@@ -386,6 +390,9 @@ class Pipeline:
         self._t0 = 0.0
 
     # ---- the model of what is left ---------------------------------------------
+    def _index_held(self, ref: ObjectRef) -> bool:
+        return self.mode.indexes is not None and self.mode.indexes.get(ref) is not None
+
     def _choice(self, chunk: _Chunk) -> ChunkChoice:
         entry = chunk.entry
         tokens = entry.end - entry.start
@@ -399,7 +406,8 @@ class Pipeline:
             if self.part is not None:  # the part's share of the decode, and of the bytes
                 decode_s *= self.share
                 if ref.index is not None:
-                    nbytes = ref.index.bytes + round((nbytes - ref.index.bytes) * self.share)
+                    index = 0 if self._index_held(ref) else ref.index.bytes
+                    nbytes = index + round((nbytes - ref.index.bytes) * self.share)
             options.append(
                 Option(name, nbytes, self.options.quality_of[name],
                        decode_s * self.decode_factor)  # fmt: skip
@@ -661,7 +669,7 @@ class Pipeline:
                 options = {"placement": self.placement, "on_bytes": on_bytes, "cancel": cancel}
                 if (self.part is not None and ref.index is not None) or ref.tiers is not None:
                     read = read_part(self.reader, ref, self.part, name=f"object {ref.key}",
-                                     **options)  # fmt: skip
+                                     indexes=self.mode.indexes, **options)  # fmt: skip
                     data, source = read, read.source
                 else:
                     got = self.reader.fetch(ref, **options)

@@ -488,22 +488,30 @@ def test_fuzzed_sections_raise_clear_errors(profile, default_object, data):
     assert out.shape == (30, 2, 3, 256, 64) and torch.isfinite(out).all()
 
 
+def _stored_chunk(profile, real_kv, tmp_path, level: str = "default"):  # type: ignore[no-untyped-def]
+    """Tokens 256-511 of the real KV at ``level`` in a folder store: (store, the object's
+    bytes, its ref, its whole decode)."""
+    from kvcdn.codec import object_ref
+    from kvcdn.store import open_store
+
+    store = open_store(str(tmp_path / "store"))
+    data = encode_chunk(ladder_level(level, profile), real_kv[:, :, :, 256:512], HASH,
+                        profile=profile, start=256)  # fmt: skip
+    ref = object_ref("objects/x", data)
+    store.put(ref.key, data)
+    return store, data, ref, decode_chunk(data, profile=profile)[1]
+
+
 def test_a_rank_reads_its_part_verified_and_no_more(profile, real_kv, tmp_path):
     """read_part fetches the index and the part's sections only (one run for a head),
     each checked: a damaged section of another rank's part does not touch this one's
     read; a damaged section of its own is caught before decoding."""
-    from kvcdn.codec import decode_into, object_ref, read_part
+    from kvcdn.codec import decode_into, read_part
     from kvcdn.codecs import TensorDest
     from kvcdn.container import Part, parse_index
     from kvcdn.errors import IntegrityError
-    from kvcdn.store import open_store
 
-    store = open_store(str(tmp_path / "store"))
-    data = encode_chunk(ladder_level("default", profile), real_kv[:, :, :, 256:512], HASH,
-                        profile=profile, start=256)  # fmt: skip
-    ref = object_ref("objects/x", data)
-    store.put(ref.key, data)
-    _, whole = decode_chunk(data, profile=profile)
+    store, data, ref, whole = _stored_chunk(profile, real_kv, tmp_path)
     index = parse_index(data)
     seen: list[int] = []
     total = 0
@@ -532,3 +540,43 @@ def test_a_rank_reads_its_part_verified_and_no_more(profile, real_kv, tmp_path):
     other = IndexRef(ref.index.bytes, "0" * 64)  # an index the object does not have
     with pytest.raises(IntegrityError, match="index"):
         read_part(store, dataclasses.replace(ref, index=other), Part((0, 30), (0, 1)), name="x")
+
+
+def test_a_reader_of_several_parts_fetches_each_index_once(profile, real_kv, tmp_path):
+    """A layer-ordered load reads each object once per group of layers: with an
+    IndexCache the index is fetched and checked once, found again only for the same
+    key, size and index digest, and the cache holds at most its bytes."""
+    from kvcdn.codec import IndexCache, decode_into, object_ref, read_part
+    from kvcdn.codecs import TensorDest
+    from kvcdn.container import Part
+
+    store, data, ref, whole = _stored_chunk(profile, real_kv, tmp_path)
+    indexes = IndexCache()
+    groups = [(0, 8), (8, 15), (15, 23), (23, 30)]
+    fetched = []
+    for first, end in groups:
+        part = Part((first, end), (0, 3))
+        seen: list[int] = []
+        read = read_part(store, ref, part, name="x", indexes=indexes, on_bytes=seen.append)
+        assert read.nbytes == sum(seen)
+        fetched.append(read.nbytes)
+        out = torch.empty(part.shape(whole.shape))
+        decode_into(read, TensorDest(out), profile=profile, part=part, chunk_hash=HASH)
+        assert torch.equal(out, whole[first:end])
+    assert sum(fetched) == len(data)  # each section once, the index once
+    assert fetched[0] > ref.index.bytes and len(indexes) == 1
+    # another object at the same key (a changed ref) is not this index
+    other = encode_chunk(ladder_level("low", profile), real_kv[:, :, :, 256:512], HASH,
+                         profile=profile, start=256)  # fmt: skip
+    other_ref = object_ref("objects/x", other)
+    store.put(other_ref.key, other)
+    seen = []
+    read_part(store, other_ref, Part((0, 8), (0, 3)), name="x", indexes=indexes,
+              on_bytes=seen.append)  # fmt: skip
+    assert len(indexes) == 2 and sum(seen) > other_ref.index.bytes
+    # bounded by bytes: room for one index, the least recently used goes
+    small = IndexCache(max_bytes=max(ref.index.bytes, other_ref.index.bytes))
+    for r in (ref, other_ref):
+        store.put(r.key, data if r is ref else other)
+        read_part(store, r, Part((0, 1), (0, 1)), name="x", indexes=small)
+    assert len(small) == 1 and small.get(other_ref) is not None and small.get(ref) is None

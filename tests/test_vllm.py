@@ -174,9 +174,11 @@ def _published_tokens(model) -> int:
 
 
 @pytest.mark.parametrize("mode", ["auto", "sync", "async"])
-def test_fp16_load_answers_as_vllms_own_prefill(engine, model, sed_prompt, baseline, mode):
+def test_fp16_load_answers_as_vllms_own_prefill(engine, model, store_dir, sed_prompt, baseline,
+                                                mode):  # fmt: skip
     """Loaded synchronously (``auto`` for a local folder) or not, the whole blocks (256
-    tokens here) the prompt shares with the document."""
+    tokens here) the prompt shares with the document; a layer-ordered load reads each
+    object's index once, whatever the number of groups."""
     layered = "loaded in 4 layer groups"
     before = engine.log.read_text().count(layered)
     out = engine.ask(sed_prompt, kvcdn_quality="fp16", kvcdn_load_mode=mode)
@@ -192,7 +194,16 @@ def test_fp16_load_answers_as_vllms_own_prefill(engine, model, sed_prompt, basel
     assert out["token_ids"] == baseline["token_ids"]
     assert len(out["token_ids"]) == 32
     # a synchronous load ran in layer groups beside the forward pass, which waited for each
-    assert engine.log.read_text().count(layered) == before + (mode != "async")
+    log_text = engine.log.read_text()
+    assert log_text.count(layered) == before + (mode != "async")
+    if mode != "async":
+        doc = json.loads((store_dir / keys.manifest_key("sed", 1)).read_bytes())
+        objects = [c["objects"]["fp16"] for c in doc["chunks"][: claimed // 256]]
+        whole = sum(o["bytes"] for o in objects)
+        indexes = sum(o["index"]["bytes"] for o in objects)
+        read = int(re.findall(r"loaded in 4 layer groups .*\((\d+) bytes read\)", log_text)[-1])
+        # every section once, and each index at most once (none: held from an earlier load)
+        assert read in (whole, whole - indexes)
 
 
 def test_cache_salts_read_only_their_tenants_store(engine, model, sed_prompt, baseline):

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from kvcdn.codec import IndexCache
 from kvcdn.container import Part
 from kvcdn.profile_store import ProfileCache
 
@@ -48,6 +49,9 @@ class KvcdnWorker:
         self._in_flight = 0  # loads submitted, not finished
         self._failed_now: set[int] = set()
         self._profiles = ProfileCache()
+        # a layer-ordered load reads each chunk's object once per group of layers (and a
+        # tensor-parallel rank its heads): the object's index is fetched once
+        self._indexes = IndexCache()
         self._predictor = HarmonicPredictor()
         self._prefill = _PrefillTimer()
         self._told: tuple[float | None, str | None] = (None, None)
@@ -127,7 +131,8 @@ class KvcdnWorker:
                     due = started + spec.deadline_s * (g + 1) / len(layered.groups)
                     deadline_s = max(due - time.perf_counter(), 1e-3)
                 if spec.end > spec.start:
-                    failed = self._load(spec, self._writer.layers(first, end), deadline_s)
+                    failed = self._load(spec, self._writer.layers(first, end), deadline_s,
+                                        layered)  # fmt: skip
                     layered.failed |= failed
                     # what a group left out, vLLM computes for every layer: the later
                     # groups stop where it stopped
@@ -139,8 +144,8 @@ class KvcdnWorker:
         finally:
             layered.finish()
         log.info("kvcdn: request %s: loaded in %d layer groups in %.3f s, beside the forward "
-                 "pass", spec.req_id, len(layered.groups),
-                 time.perf_counter() - started)  # fmt: skip
+                 "pass (%d bytes read)", spec.req_id, len(layered.groups),
+                 time.perf_counter() - started, layered.nbytes)  # fmt: skip
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before this step's forward pass computes ``layer_name``'s attention: wait until
@@ -172,10 +177,10 @@ class KvcdnWorker:
                 self._failed_now |= layered.spec.unfilled(layered.spec.start, self.block_size)
         self._layered = []
 
-    def _load(self, spec: LoadSpec, writer: PagedLayout | None,
-              deadline_s: float | None) -> set[int]:  # fmt: skip
-        """Load ``spec`` into ``writer``'s layers (the worker's, or a group of them) within
-        ``deadline_s``; the ids of the blocks it did not fill."""
+    def _load(self, spec: LoadSpec, writer: PagedLayout | None, deadline_s: float | None,
+              layered: _LayeredLoad | None = None) -> set[int]:  # fmt: skip
+        """Load ``spec`` into ``writer``'s layers (the worker's, or a group of them, of
+        ``layered``) within ``deadline_s``; the ids of the blocks it did not fill."""
         identity = self.setup.identity
         if writer is None or identity is None:
             return spec.unfilled(spec.start, self.block_size)
@@ -196,8 +201,11 @@ class KvcdnWorker:
                 profiles=self._profiles,
                 fingerprint=identity.fingerprint,
                 deadline_s=deadline_s,
+                indexes=self._indexes,
             )
             loaded_to = min(spec.end, (first_chunk + result.loaded_chunks) * chunk)
+            if layered is not None:
+                layered.nbytes += sum(c.bytes for c in result.chunks)
             # tokens are counted by the scheduler, once for every worker
             self.setup.stats_of(spec.tenant).load(
                 result.chunks, time.perf_counter() - started,
@@ -269,6 +277,7 @@ class _LayeredLoad:
         self.spec = spec
         self.groups = groups
         self.failed: set[int] = set()
+        self.nbytes = 0  # read by its groups
         self.waited = -1  # the last layer the forward pass waited for
         self._loaded = 0  # the worker's layers [0, loaded) are in (or given up)
         self._ended = False
