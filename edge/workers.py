@@ -33,8 +33,10 @@ STOP_WAIT_S = 20.0
 
 def remove_leftovers(cache_root: Path, pid: int) -> None:
     """The temporary files a dead worker left in the cache folder (spools of misses it
-    was fetching, half-written entries): named with its pid, see :mod:`.cache`."""
-    for path in (cache_root / "objects").glob(f"*/.*.{pid}.*"):
+    was fetching, half-written entries, a warm job's status being replaced): named
+    with its pid, see :mod:`.cache` and :class:`.warm.JobBoard`."""
+    for path in [*(cache_root / "objects").glob(f"*/.*.{pid}.*"),
+                 *(cache_root / "warm-jobs").glob(f".*.{pid}.tmp")]:  # fmt: skip
         path.unlink(missing_ok=True)
 
 

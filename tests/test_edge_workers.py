@@ -303,6 +303,9 @@ def test_a_warm_job_whose_worker_dies_is_reported_failed_and_can_be_posted_again
         shown = json.loads((cache / "warm-jobs" / f"{job['id']}.json").read_text())
         assert shown["state"] == "running"
         assert node.proc is not None and shown["by"] in _workers(node.proc.pid)
+        # as if killed while replacing the job's file: the supervisor removes what is left
+        half = cache / "warm-jobs" / f".{job['id']}.{shown['by']}.tmp"
+        half.write_text('{"id": ')
         os.kill(shown["by"], signal.SIGKILL)  # the worker running the job
 
 
@@ -316,7 +319,8 @@ def test_a_warm_job_whose_worker_dies_is_reported_failed_and_can_be_posted_again
         lost = _until(settled)
         assert lost["state"] == "failed" and lost["done"] < len(keys)
         assert "stopped before it finished" in lost["errors"][-1]["error"]
-        _until(lambda: len(_workers(node.proc.pid)) == 2)  # started again
+        _until(lambda: not half.exists())  # the supervisor saw the worker die
+        _until(lambda: len(_workers(node.proc.pid)) == 2)  # and started it again
         status, rerun = post_json(f"{node.url}/warm", {"keys": keys})
         assert status == 202 and rerun["id"] == job["id"]
         final = _until(settled, 60)
