@@ -66,8 +66,13 @@ def test_the_profile_holds_a_nested_ladder_with_measured_tiers(profile) -> None:
     kls = [q[t]["kl"] for t in spec.tiers]
     assert bits == sorted(bits) and kls == sorted(kls, reverse=True)  # each tier adds
     assert bits[0] <= 1.6  # the rung below lowest, for the slowest links
-    for tier in spec.tiers[1:]:  # each refinement meets its level's target, within 2x
-        assert q[tier]["kl"] <= 2 * LADDER[tier], (tier, q[tier])
+    for tier in spec.tiers[1:]:
+        # each refinement is as good as the independent level of its name, measured on
+        # real objects (10% for the steps' rounding to 4 significant bits after planning)
+        independent = profile.levels[tier].quality
+        assert q[tier]["kl"] <= 1.1 * min(independent["kl"], LADDER[tier]), (tier, q[tier])
+        # and costs at most 10% more than it (the price of nesting)
+        assert q[tier]["bits_per_element"] <= 1.1 * independent["bits_per_element"], tier
     again = parse_profile(profile.to_bytes())
     assert again.nested is not None and np.array_equal(again.nested.depth, spec.depth)
 
