@@ -432,12 +432,27 @@ def _plan_nested(
                     for st, kl in measured])  # fmt: skip
     slope, icept = np.polyfit(pts[:, 0], pts[:, 1], 1) if len(pts) > 1 else (1.0, 0.0)
 
-    def kl_of(plan: pg.NestedPlan) -> float:
-        # the top level alone: it is the midtread quantiser of its step (boundaries aside)
-        s = plan.step(plan.levels - 1)[:, None]
+    def distortion(plan: pg.NestedPlan, depth: np.ndarray) -> np.ndarray:
+        # each stream's share of the proxy at ``depth``: the midtread quantiser of its
+        # step (boundaries aside)
+        s = (plan.base_step / float(pg.SPLIT) ** depth)[:, None]
         limit = (pg.BASE_LIMIT + 0.5) * plan.base_step[:, None]
         err = x - np.rint(np.clip(x, -limit, limit) / s) * s
-        return math.exp(icept + slope * math.log(proxy(err)))
+        return weight * (err**2).mean(axis=1)
+
+    # A refinement's bisection asks for the KL of many splits of one level below: each
+    # stream's distortion, split or not, is computed once per level below, not per ask.
+    shares: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+
+    def kl_of(plan: pg.NestedPlan) -> float:
+        below, top = plan.depth[-2], plan.depth[-1]
+        key = below.tobytes()
+        if key not in shares:
+            shares.clear()
+            shares[key] = (distortion(plan, below), distortion(plan, below + 1))
+        unsplit, split = shares[key]
+        total = float(np.where(top > below, split, unsplit).sum())
+        return math.exp(icept + slope * math.log(total))
 
     def base_step(strength: float) -> np.ndarray:
         return np.maximum(strength * unit_n, floor_n)
@@ -538,7 +553,7 @@ def _kl_nested(model: LoadedModel, samples: list[Sample], mean: np.ndarray, plan
     kls = []
     for sample in samples:
         x = pg.streams_of(sample.kv[:, :, :, sinks:].numpy(), mean)
-        value = pg.values_of(pg.reconstruct(pg.indices(x, plan)[top], plan, top), mean)
+        value = pg.values_of(pg.reconstruct(pg.level_indices(x, plan, top), plan, top), mean)
         kv = torch.from_numpy(_reconstruct(sample.kv.numpy(), value, sinks))
         kls.append(compare(sample, continuation_logits(model, kv, sample.continuation))["kl"])
     return float(np.mean(kls))

@@ -90,17 +90,39 @@ def indices(x: np.ndarray, plan: NestedPlan) -> list[np.ndarray]:
     level of ``plan``, base first. The finest level is quantised; each coarser one is
     its parent cell, found by integer division, so levels nest exactly whatever the
     rounding of a value on a cell boundary."""
-    top = plan.depth[-1][:, None]
-    scale = float(SPLIT) ** top
-    span = (scale - 1) // 2  # how far the finest index reaches past a base cell's centre
-    limit = BASE_LIMIT * scale + span
-    finest = np.clip(np.rint(x / (plan.base_step[:, None] / scale)), -limit, limit)
-    finest = np.nan_to_num(finest).astype(np.int64)
-    out = []
-    for k in range(plan.levels):
-        up = (float(SPLIT) ** (top - plan.depth[k][:, None])).astype(np.int64)
-        out.append(np.floor_divide(finest + (up - 1) // 2, up))
-    return out
+    finest = _finest(x, plan)
+    return [_coarsen(finest, plan, k) for k in range(plan.levels)]
+
+
+def level_indices(x: np.ndarray, plan: NestedPlan, level: int) -> np.ndarray:
+    """``indices(x, plan)[level]``, without the other levels."""
+    return _coarsen(_finest(x, plan), plan, level)
+
+
+def _finest(x: np.ndarray, plan: NestedPlan) -> np.ndarray:
+    """The finest level's indices, as whole float64 values (NaN read as 0)."""
+    scale = float(SPLIT) ** plan.depth[-1][:, None]
+    limit = BASE_LIMIT * scale + (scale - 1) // 2  # a base cell's reach at the finest step
+    finest = np.rint(x / (plan.base_step[:, None] / scale))
+    np.clip(finest, -limit, limit, out=finest)
+    nan = np.isnan(finest)
+    if nan.any():
+        finest[nan] = 0.0
+    return finest
+
+
+def _coarsen(finest: np.ndarray, plan: NestedPlan, level: int) -> np.ndarray:
+    """Level ``level``'s int64 indices from the finest: ``floor((n + (up - 1) / 2) /
+    up)`` for ``up = 3**(top - depth)``, in float64 (SIMD, where numpy's int64 division
+    is not): exact, since every operand is a whole number below 2**53 and a quotient
+    that is not whole is at least ``1/up`` from one."""
+    up = float(SPLIT) ** (plan.depth[-1] - plan.depth[level])[:, None]
+    if not np.any(up > 1):
+        return finest.astype(np.int64)
+    out = finest + (up - 1) / 2
+    np.divide(out, up, out=out)
+    np.floor(out, out=out)
+    return out.astype(np.int64)
 
 
 def reconstruct(n: np.ndarray, plan: NestedPlan, level: int) -> np.ndarray:
@@ -176,9 +198,9 @@ def plan_refinement(
     as meet ``target`` (the KL ``kl_of`` measures), found by bisection on the fraction.
     ``x`` is the calibration data ``[N, T]`` (mean removed), ``fisher`` each stream's
     sensitivity."""
-    n = indices(x, plan)[-1]
+    n = level_indices(x, plan, plan.levels - 1)
     trial = plan.with_level(np.ones(len(fisher), dtype=bool))
-    cost = refinement_bits(n, indices(x, trial)[-1])
+    cost = refinement_bits(n, level_indices(x, trial, trial.levels - 1))
     step = plan.step(plan.levels - 1)
     benefit = fisher * step**2 * (1 - 1 / SPLIT**2) / 12
     order = np.argsort(-benefit / np.maximum(cost, 1e-3), kind="stable")
