@@ -141,23 +141,32 @@ def test_damaged_folders_are_rebuilt_never_loaded(model, tmp_path):
         folder.name
     ]
 
-    # Tampered without a change of size: the check hashes the file again and fails.
-    with open(weights, "r+b") as f:
-        f.seek(weights.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    # Tampered without a change of size: the check hashes the file again and fails
+    # (and passes once the byte is put back: the flip is what it found).
+    def flip() -> None:
+        with open(weights, "r+b") as f:
+            f.seek(weights.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    flip()
     assert not model_cache.check_folder(copy, gguf_sha)
-    rebuilt = _result(_start(home))
-    assert rebuilt["materialise_s"] > 0 and rebuilt["fingerprint"] == model.fingerprint
+    flip()
+    assert model_cache.check_folder(copy, gguf_sha)
 
     # A file added beside the recorded ones (transformers would read an index or a
     # second weights file): refused as well.
     (copy / "model.safetensors.index.json").write_text("{}")
     assert not model_cache.check_folder(copy, gguf_sha)
+
+    # Both at once: a load rebuilds the folder (one rebuild for the two damages, each
+    # a minute's materialisation here), and the rebuilt folder passes the check.
+    flip()
     rebuilt = _result(_start(home))
     assert rebuilt["materialise_s"] > 0 and rebuilt["fingerprint"] == model.fingerprint
     assert model_cache.check_folder(copy, gguf_sha)
+    assert not (copy / "model.safetensors.index.json").exists()
 
 
 def test_kvcdn_models_lists_and_removes(model, tmp_path, monkeypatch):
