@@ -101,6 +101,7 @@ def calibrate(
     strength = 0.2
     total_steps = len(levels) * MAX_SEARCH_STEPS
     done = 0
+    seen: dict[bytes, float] = {}  # the KL of every step array measured
     for lname in levels:
         target = LADDER[lname]
         tried: list[tuple[float, float]] = []
@@ -108,7 +109,15 @@ def calibrate(
             progress("search", done, total_steps)
             done += 1
             step = steps(strength)
+            if step.tobytes() in seen:
+                # Steps measured before (every stream at its finest step, or a strength
+                # within the 4-bit rounding of one tried): the search can learn nothing
+                # more. A model that misses a target even at its finest steps (a
+                # random-weight one) would otherwise be measured again and again.
+                tried.append((strength, seen[step.tobytes()]))
+                break
             kl = float(np.mean([_kl_plain(model, s, mean, step, sinks) for s in samples]))
+            seen[step.tobytes()] = kl
             tried.append((strength, kl))
             measured.append((strength, kl))
             log.info(
@@ -123,6 +132,9 @@ def calibrate(
             else:  # KL grows about with strength squared
                 strength *= math.sqrt(0.9 * target / max(kl, 1e-9))
         ok = [(st, kl) for st, kl in tried if kl <= target]
+        if not ok:
+            log.warning("calibrate %s: no strength tried reached KL %g (best %.5f); the level "
+                        "takes a finer one", lname, target, min(k for _, k in tried))  # fmt: skip
         strength, reached[lname] = max(ok) if ok else (min(st for st, _ in tried) * 0.7, target)
         specs[lname] = LevelSpec(
             name=lname,
@@ -519,6 +531,8 @@ def _plan_tier(x: np.ndarray, below: Any, weight: np.ndarray, kl_of: Callable[[A
     tried: list[tuple[float, float, int, Any]] = []  # (aim, real KL, streams split, plan)
     for _ in range(NESTED_CORRECTIONS + 1):
         plan = pg.plan_refinement(x, below, weight, kl_of, aim)
+        if any(np.array_equal(plan.depth[-1], t[3].depth[-1]) for t in tried):
+            break  # a plan measured before (all streams split, and still above): no better
         real = max(real_kl(plan), 1e-12)
         split = int((plan.depth[-1] > plan.depth[-2]).sum())
         log.info("calibrate nested: aim %.5f, %d streams split -> KL %.5f (target %.5f)", aim,
