@@ -160,8 +160,8 @@ def test_damaged_folders_are_rebuilt_never_loaded(model, tmp_path):
     (copy / "model.safetensors.index.json").write_text("{}")
     assert not model_cache.check_folder(copy, gguf_sha)
 
-    # Both at once: a load rebuilds the folder (one rebuild for the two damages, each
-    # a minute's materialisation here), and the rebuilt folder passes the check.
+    # Both at once: a load rebuilds the folder (one rebuild for the two damages: each
+    # is a materialisation of ~20 s here), and the rebuilt folder passes the check.
     flip()
     rebuilt = _result(_start(home))
     assert rebuilt["materialise_s"] > 0 and rebuilt["fingerprint"] == model.fingerprint
