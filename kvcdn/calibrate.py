@@ -109,15 +109,16 @@ def calibrate(
             progress("search", done, total_steps)
             done += 1
             step = steps(strength)
-            if step.tobytes() in seen:
+            key = step.tobytes()
+            if key in seen:
                 # Steps measured before (every stream at its finest step, or a strength
                 # within the 4-bit rounding of one tried): the search can learn nothing
                 # more. A model that misses a target even at its finest steps (a
                 # random-weight one) would otherwise be measured again and again.
-                tried.append((strength, seen[step.tobytes()]))
+                tried.append((strength, seen[key]))
                 break
             kl = float(np.mean([_kl_plain(model, s, mean, step, sinks) for s in samples]))
-            seen[step.tobytes()] = kl
+            seen[key] = kl
             tried.append((strength, kl))
             measured.append((strength, kl))
             log.info(
@@ -433,36 +434,36 @@ def _plan_nested(
     # KL predicted from the Fisher-weighted squared error the quantiser makes on the
     # calibration data (where most values fall in the middle cell the error is their
     # spread, not the step's), fitted in log-log to the ladder search's measurements
-    def proxy(err: np.ndarray) -> float:
-        return float((weight * (err**2).mean(axis=1)).sum())
+    # (each stream's share of it: a refinement's bisection sums them, split or not)
+    def shares(err: np.ndarray) -> np.ndarray:
+        return weight * (err**2).mean(axis=1)
 
     def independent(step: np.ndarray) -> np.ndarray:
         s = step.reshape(-1)[:, None].astype(np.float64)
         return x - np.clip(np.rint(x / s), -pg.BASE_LIMIT, pg.BASE_LIMIT) * s
 
-    pts = np.array([(math.log(proxy(independent(steps(st)))), math.log(max(kl, 1e-9)))
+    pts = np.array([(math.log(float(shares(independent(steps(st))).sum())),
+                     math.log(max(kl, 1e-9)))
                     for st, kl in measured])  # fmt: skip
     slope, icept = np.polyfit(pts[:, 0], pts[:, 1], 1) if len(pts) > 1 else (1.0, 0.0)
 
-    def distortion(plan: pg.NestedPlan, depth: np.ndarray) -> np.ndarray:
-        # each stream's share of the proxy at ``depth``: the midtread quantiser of its
-        # step (boundaries aside)
+    def shares_at(plan: pg.NestedPlan, depth: np.ndarray) -> np.ndarray:
+        # at ``depth`` each stream is the midtread quantiser of its step (boundaries aside)
         s = (plan.base_step / float(pg.SPLIT) ** depth)[:, None]
         limit = (pg.BASE_LIMIT + 0.5) * plan.base_step[:, None]
-        err = x - np.rint(np.clip(x, -limit, limit) / s) * s
-        return weight * (err**2).mean(axis=1)
+        return shares(x - np.rint(np.clip(x, -limit, limit) / s) * s)
 
     # A refinement's bisection asks for the KL of many splits of one level below: each
-    # stream's distortion, split or not, is computed once per level below, not per ask.
-    shares: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+    # stream's share, split or not, is computed once per level below, not per ask.
+    known: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
     def kl_of(plan: pg.NestedPlan) -> float:
         below, top = plan.depth[-2], plan.depth[-1]
         key = below.tobytes()
-        if key not in shares:
-            shares.clear()
-            shares[key] = (distortion(plan, below), distortion(plan, below + 1))
-        unsplit, split = shares[key]
+        if key not in known:
+            known.clear()
+            known[key] = (shares_at(plan, below), shares_at(plan, below + 1))
+        unsplit, split = known[key]
         total = float(np.where(top > below, split, unsplit).sum())
         return math.exp(icept + slope * math.log(total))
 
@@ -518,7 +519,7 @@ def _plan_tier(x: np.ndarray, below: Any, weight: np.ndarray, kl_of: Callable[[A
     again for a corrected prediction (at most ``NESTED_CORRECTIONS`` times): scaled by
     the miss until a measure on each side brackets the target, then interpolated
     between the two nearest in log-log (a measure is the model's KL on the calibration
-    texts, ~15 s on 2 CPUs for the embedded model, so the search must be short).
+    texts, ~5 s on 2 CPUs for the embedded model, so the search must be short).
     Of the plans measured within the target, the one that splits fewest streams.
 
     Why not one correction: the KL of a fraction split is far from a factor of its
