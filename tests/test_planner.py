@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -264,3 +265,51 @@ def test_a_refinement_is_started_only_where_it_fits_and_gains_most_per_second() 
     assert next_refinement([small], link, 0.5, Busy(link_bytes=4_000_000)) is None
     assert next_refinement([small], link, 0.5, Busy(link_bytes=3_000_000)) is small
     assert next_refinement([Refinement(0, mid, 10, 0.0, 0.0)], link, 1.0) is None  # no gain
+
+
+def _random_choices(rng: random.Random) -> list[ChunkChoice]:
+    """0-40 chunks with 0-5 fetched levels and maybe ``text``, their figures drawn from a few
+    values (so that ties happen), indices not 0..n-1."""
+    bytes_of = [0, 400_000, 1_000_000, 1_000_000, 2_500_000]
+    out = []
+    for i in range(rng.randint(0, 40)):
+        options = [Option(f"l{k}", rng.choice(bytes_of), rng.choice([0.5, 0.9, 0.95, 0.99]),
+                          rng.choice([0.0, 0.002, 0.004, 0.01]))
+                   for k in range(rng.randint(0, 5))]  # fmt: skip
+        if not options or rng.random() < 0.8:
+            options.insert(rng.randint(0, len(options)),
+                           Option(TEXT, 0, 1.0, rng.choice([0.05, 0.2, 0.64])))  # fmt: skip
+        out.append(ChunkChoice(3 * i + 7, 256, tuple(options)))
+    return out
+
+
+def test_the_search_weighing_every_pair_at_once_makes_the_scalar_searchs_plan(monkeypatch):
+    """The downgrade search weighs all (chunk, option) pairs as arrays; on 1,000 random
+    plans (ties, text-only and fetched-only chunks, work under way, both kinds of
+    predictor) it chooses exactly what the pair-by-pair search chooses."""
+    from kvcdn.sdk import planner as planner_module
+    from tests.planner_reference import downgrade_pairwise
+
+    rng = random.Random(20261127)
+    searched = 0
+    for trial in range(1000):
+        chunks = _random_choices(rng)
+        if trial % 2:
+            predictor = HarmonicPredictor(latency_s=rng.choice([0.0, 0.03]))
+            for _ in range(rng.randint(0, 4)):
+                predictor.observe(rng.randint(1, 50_000_000), rng.uniform(0.05, 2.0))
+        else:
+            predictor = FixedLink(rng.choice([5e6, 25e6, 125e6]))
+        busy = Busy(rng.choice([0, 300_000]), rng.choice([0.0, 0.05]), rng.choice([0.0, 0.1]))
+        deadline = rng.choice([0.0, 0.05, 0.2, 0.5, 1.0, 3.0])
+        fast = plan(chunks, predictor, deadline, busy)
+        with monkeypatch.context() as m:
+            m.setattr(planner_module, "_downgrade", downgrade_pairwise)
+            slow = plan(chunks, predictor, deadline, busy)
+        assert {i: o.level for i, o in fast.choices.items()} == {
+            i: o.level for i, o in slow.choices.items()}, trial  # fmt: skip
+        assert all(fast.choices[i] is slow.choices[i] for i in fast.choices), trial
+        assert (fast.predicted_s, fast.feasible) == (slow.predicted_s, slow.feasible), trial
+        searched += any(fast.choices[c.index] is not planner_module._best_fetched(c)
+                        for c in chunks)  # fmt: skip
+    assert searched > 300  # most plans had to downgrade something
