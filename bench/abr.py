@@ -356,6 +356,7 @@ def _run(
         "bytes": p.bytes,
         "levels": levels,
         "cancelled": p.cancelled,
+        "replans": p.replans,
         "refined": p.refined,
         "refinements_dropped": p.refinements_dropped,
         "feasible": p.feasible,

@@ -10,7 +10,8 @@ Three kinds of work overlap:
 
 One device thread runs the decodes and recomputes, one at a time, as a GPU
 stream would. The calling thread is the controller: it plans, launches work,
-feeds the throughput predictor, and re-plans after every chunk completes.
+feeds the throughput predictor, and plans again once a chunk has completed, when
+the plan is next used (a fetch or a recompute about to start).
 When a fetch in flight can no longer make the deadline and dropping it gives
 a faster plan, it is cancelled and its chunk planned again (a lower level or
 ``text``).
@@ -382,6 +383,8 @@ class Pipeline:
         self.recompute_factor = 1.0
         self._device_task: tuple[float, float] | None = None  # (started, predicted seconds)
         self.replans = 0
+        # an event since the last plan may have changed it: planned again before use
+        self._stale = False
         self.cancelled = 0
         self.refined = 0
         self.refinements_dropped = 0
@@ -473,6 +476,14 @@ class Pipeline:
             )
         return result
 
+    def _fresh_plan(self, now: float) -> None:
+        """Plan again if something happened since the last plan: called where a plan is
+        about to be used (a fetch slot free, the device free for a recompute), not after
+        every event: a plan of many chunks that miss their deadline costs milliseconds."""
+        if self._stale:
+            self._stale = False
+            self._plan(now)
+
     # ---- running ---------------------------------------------------------------
     def run(self) -> PipelineResult:
         self._t0 = time.perf_counter()
@@ -541,6 +552,10 @@ class Pipeline:
                     continue
             # launch fetches, in document order
             fetching = sum(1 for c in self.chunks if c.state is _State.FETCHING)
+            if fetching < self.options.concurrency and any(
+                c.state is _State.PENDING for c in self.chunks
+            ):
+                self._fresh_plan(now)
             for c in self.chunks:
                 if fetching >= self.options.concurrency:
                     break
@@ -572,7 +587,7 @@ class Pipeline:
                 if self.cancel_late_fetches and now - last_cancel > 2 * TICK_S:
                     if self._cancel_late_fetch(now):
                         last_cancel = now
-                        self._plan(now)
+                        self._stale = True
                 continue
             chunk = event.chunk
             if isinstance(event, _Failed) and event.attempt not in (None, chunk.attempt):
@@ -582,7 +597,7 @@ class Pipeline:
                     device_busy = False
                     self._device_task = None
                 self._drop_level(chunk, event.error)
-                self._plan(now)
+                self._stale = True
                 continue
             if isinstance(event, _Failed):
                 log.warning(
@@ -603,7 +618,7 @@ class Pipeline:
                 else:
                     chunk.state = _State.FETCHED
                     self.meter.tick(now, any(c.state is _State.FETCHING for c in self.chunks))
-                self._plan(now)
+                self._stale = True
             else:
                 device_busy = False
                 self._learn_device(chunk, event.seconds)
@@ -613,7 +628,7 @@ class Pipeline:
                 chunk.data = b""
                 chunk.ready_s = now - self._t0
                 self._device_task = None
-                self._plan(now)
+                self._stale = True
 
     def _skip_from(self, index: int, failed: _Chunk | None = None) -> None:
         """Give up chunk ``index`` and every later one, but those being written
@@ -715,6 +730,8 @@ class Pipeline:
         first = next(
             (c for c in self.chunks if c.state not in (_State.DONE, _State.SKIPPED)), None
         )
+        if first is not None and first.state is _State.PENDING:
+            self._fresh_plan(now)  # it may be planned as text now
         if (
             first is not None
             and first.state is _State.PENDING
