@@ -312,4 +312,4 @@ def test_the_search_weighing_every_pair_at_once_makes_the_scalar_searchs_plan(mo
         assert (fast.predicted_s, fast.feasible) == (slow.predicted_s, slow.feasible), trial
         searched += any(fast.choices[c.index] is not planner_module._best_fetched(c)
                         for c in chunks)  # fmt: skip
-    assert searched > 300  # most plans had to downgrade something
+    assert searched > 300  # a third of the plans or more downgraded something
