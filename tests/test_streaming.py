@@ -106,7 +106,7 @@ def test_a_rate_drop_mid_load_lowers_the_level_to_what_the_link_carries_by_the_d
     assert best > carried  # the best level everywhere cannot make it
     assert all(lv in quality or lv == TEXT for lv in plan.chunk_levels)
     assert any(lv != TEXT for lv in plan.chunk_levels), plan.chunk_levels  # the link was used
-    assert plan.replans > 12
+    assert plan.replans > 1  # planned again as the link slowed (when a plan was next used)
     # Which chunks are recomputed and at which level each is fetched depends on the
     # device's speed too; what the link carries does not: a planner that kept its first
     # estimate (16 MB/s) would have fetched every chunk at the best level.
