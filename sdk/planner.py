@@ -231,7 +231,7 @@ def plan(
         return Plan(chosen, finish, True)
 
     if finish > deadline_s:
-        chosen = _downgrade(chunks, chosen, est, decode_of, deadline_s)
+        chosen = _downgrade(chunks, chosen, est, deadline_s)
     chosen = _text_first(chunks, chosen, predictor, busy)
     finish = estimate(chunks, chosen, predictor, busy)
     return Plan(chosen, finish, finish <= deadline_s)
@@ -241,7 +241,6 @@ def _downgrade(
     chunks: Sequence[ChunkChoice],
     chosen: dict[int, Option],
     est: _Estimate,
-    decode_of: dict[int, float],
     deadline_s: float,
 ) -> dict[int, Option]:
     """:func:`plan`'s search: from ``chosen``, the swap that saves the most time per unit
@@ -270,12 +269,12 @@ def _downgrade(
                 at[i] = k
     decode = np.where(text, 0.0, device)  # what an option adds to the last decode
     text_device = np.where(text, device, 0.0)
-    decode_now = np.array([decode_of[c.index] for c in chunks])
     rows = np.arange(n)
+    decode_now = decode[rows, at]
     busy, finish = est.busy, est.finish(float(decode_now.max(initial=0.0)))
     while finish > deadline_s:
-        held = (nbytes[rows, at], device[rows, at], quality[rows, at], text_device[rows, at])
-        held_bytes, held_device, held_quality, held_text = held
+        held_bytes, held_device = nbytes[rows, at], device[rows, at]
+        held_quality, held_text = quality[rows, at], text_device[rows, at]
         # the largest decode of the other chunks: the second largest for the first
         # chunk holding the largest, the largest for every other
         first = int(np.argmax(decode_now))

@@ -14,10 +14,10 @@ def downgrade_pairwise(
     chunks: Sequence[ChunkChoice],
     chosen: dict[int, Option],
     est: _Estimate,
-    decode_of: dict[int, float],
     deadline_s: float,
 ) -> dict[int, Option]:
     by_index = {c.index: c for c in chunks}
+    decode_of = {i: (0.0 if o.level == TEXT else o.device_s) for i, o in chosen.items()}
     finish = est.finish(max(decode_of.values(), default=0.0))
     while finish > deadline_s:
         best_swap: tuple[float, int, Option] | None = None
