@@ -530,8 +530,9 @@ def _plan_tier(x: np.ndarray, below: Any, weight: np.ndarray, kl_of: Callable[[A
 
     aim = target
     tried: list[tuple[float, float, int, Any]] = []  # (aim, real KL, streams split, plan)
+    order = pg.split_order(x, below, weight)  # the same for every aim
     for _ in range(NESTED_CORRECTIONS + 1):
-        plan = pg.plan_refinement(x, below, weight, kl_of, aim)
+        plan = pg.plan_refinement(x, below, weight, kl_of, aim, order=order)
         if any(np.array_equal(plan.depth[-1], t[3].depth[-1]) for t in tried):
             break  # a plan measured before (all streams split, and still above): no better
         real = max(real_kl(plan), 1e-12)
@@ -567,9 +568,7 @@ def _kl_nested(model: LoadedModel, samples: list[Sample], mean: np.ndarray, plan
     top = plan.levels - 1
     kls = []
     for sample in samples:
-        x = pg.streams_of(sample.kv[:, :, :, sinks:].numpy(), mean)
-        value = pg.values_of(pg.reconstruct(pg.level_indices(x, plan, top), plan, top), mean)
-        kv = torch.from_numpy(_reconstruct(sample.kv.numpy(), value, sinks))
+        kv = torch.from_numpy(pg.level_values(sample.kv.numpy(), mean, plan, top, sinks))
         kls.append(compare(sample, continuation_logits(model, kv, sample.continuation))["kl"])
     return float(np.mean(kls))
 

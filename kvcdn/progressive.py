@@ -40,6 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvcdn.kernels import nested_stats
+from kvcdn.kernels.nested_stats import refinement_counts, row_counts
+
 SPLIT = 3
 #: Base indices are clipped to this magnitude (8-bit symbols, as the ladder codec's).
 BASE_LIMIT = 127
@@ -130,6 +133,19 @@ def reconstruct(n: np.ndarray, plan: NestedPlan, level: int) -> np.ndarray:
     return n * plan.step(level)[:, None]
 
 
+def level_values(kv: np.ndarray, mean: np.ndarray, plan: NestedPlan, level: int,
+                 sinks: int) -> np.ndarray:  # fmt: skip
+    """KV ``[L, 2, H, T, D]`` (float32) as level ``level`` of ``plan`` reconstructs it,
+    its first ``sinks`` tokens kept as they are: ``values_of(reconstruct(n, plan,
+    level), mean)`` for ``n = level_indices(streams_of(kv[:, :, :, sinks:], mean),
+    plan, level)``, bit for bit, in one pass (:mod:`kvcdn.kernels.nested_stats`)."""
+    scale = float(SPLIT) ** plan.depth[-1]  # as _finest and _coarsen compute them
+    limit = BASE_LIMIT * scale + (scale - 1) // 2
+    up = float(SPLIT) ** (plan.depth[-1] - plan.depth[level])
+    return nested_stats.level_values(kv, mean, sinks, plan.base_step / scale, limit, up,
+                                     plan.step(level))  # fmt: skip
+
+
 def refinement_symbols(parent: np.ndarray, child: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The coded symbol (0 = the child nearest the mean) and its context of each split
     cell: ``child`` indices at the finer level, ``parent`` at the one below."""
@@ -147,9 +163,12 @@ def refinement_symbols(parent: np.ndarray, child: np.ndarray) -> tuple[np.ndarra
 def _row_entropy(sym: np.ndarray, bins: int) -> np.ndarray:
     """Per row of ``sym`` (``[N, T]``, values in ``[0, bins)``): bits per element of an
     ideal coder with the row's own frequencies."""
-    rows, count = sym.shape
-    flat = (np.arange(rows)[:, None] * bins + sym).ravel()
-    c = np.bincount(flat, minlength=rows * bins).reshape(rows, bins).astype(np.float64)
+    return _entropy(row_counts(sym, bins), sym.shape[1])
+
+
+def _entropy(counts: np.ndarray, count: int) -> np.ndarray:
+    """Bits per element of each row of ``counts [N, bins]``, out of ``count`` elements."""
+    c = counts.astype(np.float64)
     p = c / max(count, 1)
     with np.errstate(divide="ignore", invalid="ignore"):
         return -np.where(c > 0, p * np.log2(p), 0.0).sum(axis=1)
@@ -162,14 +181,16 @@ def base_bits(n: np.ndarray) -> np.ndarray:
 
 def refinement_bits(parent: np.ndarray, child: np.ndarray) -> np.ndarray:
     """Bits per element of each stream's refinement symbols given their contexts
-    (``H(symbol | context)``); a stream the refinement does not split (``child ==
-    parent`` everywhere) costs nothing."""
-    split = ~np.all(child == parent, axis=1)
+    (``H(symbol | context)``, counted as :func:`refinement_symbols` codes them); a
+    stream the refinement does not split (``child == parent`` everywhere) costs
+    nothing."""
+    split, counts = refinement_counts(parent, child)
     out = np.zeros(parent.shape[0])
     if split.any():
-        sym, ctx = refinement_symbols(parent[split], child[split])
-        out[split] = (_row_entropy(ctx * SPLIT + sym, CONTEXTS * SPLIT)
-                      - _row_entropy(ctx, CONTEXTS))  # fmt: skip
+        joint = counts[split]
+        contexts = joint.reshape(-1, CONTEXTS, SPLIT).sum(axis=2)
+        tokens = parent.shape[1]
+        out[split] = _entropy(joint, tokens) - _entropy(contexts, tokens)
     return out
 
 
@@ -190,20 +211,29 @@ def level_bits(x: np.ndarray, plan: NestedPlan) -> list[float]:
 KlOfPlan = Callable[[NestedPlan], float]
 
 
-def plan_refinement(
-    x: np.ndarray, plan: NestedPlan, fisher: np.ndarray, kl_of: KlOfPlan, target: float,
-    *, steps: int = 7,
-) -> NestedPlan:  # fmt: skip
-    """``plan`` with one more level: the streams of best benefit per bit split, as few
-    as meet ``target`` (the KL ``kl_of`` measures), found by bisection on the fraction.
-    ``x`` is the calibration data ``[N, T]`` (mean removed), ``fisher`` each stream's
-    sensitivity."""
+def split_order(x: np.ndarray, plan: NestedPlan, fisher: np.ndarray) -> np.ndarray:
+    """The streams in the order a refinement on ``plan`` splits them: best benefit per
+    bit first. ``x`` is the calibration data ``[N, T]`` (mean removed), ``fisher``
+    each stream's sensitivity."""
     n = level_indices(x, plan, plan.levels - 1)
     trial = plan.with_level(np.ones(len(fisher), dtype=bool))
     cost = refinement_bits(n, level_indices(x, trial, trial.levels - 1))
     step = plan.step(plan.levels - 1)
     benefit = fisher * step**2 * (1 - 1 / SPLIT**2) / 12
-    order = np.argsort(-benefit / np.maximum(cost, 1e-3), kind="stable")
+    return np.argsort(-benefit / np.maximum(cost, 1e-3), kind="stable")
+
+
+def plan_refinement(
+    x: np.ndarray, plan: NestedPlan, fisher: np.ndarray, kl_of: KlOfPlan, target: float,
+    *, steps: int = 7, order: np.ndarray | None = None,
+) -> NestedPlan:  # fmt: skip
+    """``plan`` with one more level: the streams of best benefit per bit split, as few
+    as meet ``target`` (the KL ``kl_of`` measures), found by bisection on the fraction.
+    ``x`` is the calibration data ``[N, T]`` (mean removed), ``fisher`` each stream's
+    sensitivity; ``order`` what :func:`split_order` gives for them, where the caller
+    plans on the same level more than once."""
+    if order is None:
+        order = split_order(x, plan, fisher)
 
     def split(fraction: float) -> NestedPlan:
         chosen = np.zeros(len(fisher), dtype=bool)

@@ -97,3 +97,64 @@ def test_planning_splits_the_streams_of_most_benefit_per_bit_until_the_target_is
     assert split.sum() < streams  # and not every other one with them
     with pytest.raises(ValueError, match="at most once"):
         pg.NestedPlan(plan.base_step, np.vstack([plan.depth, plan.depth[-1:] + 2]))
+
+
+def _entropy_by_bincount(sym: np.ndarray, bins: int) -> np.ndarray:
+    """Bits per element of each row, counted with numpy (the kernels' reference)."""
+    rows, count = sym.shape
+    flat = (np.arange(rows)[:, None] * bins + sym).ravel()
+    c = np.bincount(flat, minlength=rows * bins).reshape(rows, bins).astype(np.float64)
+    p = c / count
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return -np.where(c > 0, p * np.log2(p), 0.0).sum(axis=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), levels=st.integers(1, 4), sinks=st.integers(0, 6))
+def test_the_calibration_kernels_give_the_numpy_definitions_bit_for_bit(
+    seed: int, levels: int, sinks: int
+) -> None:
+    """What calibration measures comes from kernels (kvcdn.kernels.nested_stats): the
+    reconstruction at each level equals the numpy chain bit for bit (NaN, infinity and
+    clipped values included), and the sizes equal counts made with numpy's bincount."""
+    rng = np.random.default_rng(seed)
+    L, K, H, T, D = 2, 2, 3, 40, 8
+    kv = (rng.standard_normal((L, K, H, T, D))
+          * rng.uniform(0.01, 300, (L, K, H, 1, D))).astype(np.float32)  # fmt: skip
+    kv.flat[rng.integers(0, kv.size, 3)] = [np.nan, np.inf, -np.inf]
+    mean = rng.standard_normal((L, K, H, D)).astype(np.float32)
+    plan = _plan(L * K * H * D, levels, seed)
+    # ties: power-of-two steps, and values halfway between two cells of the streams
+    # never split (rounding half to even, as numpy's rint does)
+    plan = pg.NestedPlan(2.0 ** rng.integers(-3, 3, plan.base_step.shape), plan.depth)
+    whole = (plan.depth[-1] == 0).reshape(L, K, H, D)
+    mean[whole] = 0.0
+    ties = (rng.integers(-20, 20, kv.shape) + 0.5) * plan.base_step.reshape(L, K, H, 1, D)
+    kv = np.where(whole[:, :, :, None, :] & (rng.random(kv.shape) < 0.5), ties, kv)
+    kv = kv.astype(np.float32)
+    x = pg.streams_of(kv[:, :, :, sinks:], mean)
+    for k in range(plan.levels):
+        with np.errstate(invalid="ignore"):
+            value = pg.values_of(pg.reconstruct(pg.level_indices(x, plan, k), plan, k), mean)
+        want = kv.copy()
+        want[:, :, :, sinks:] = value
+        got = pg.level_values(kv, mean, plan, k, sinks)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    n = pg.indices(np.nan_to_num(x, posinf=0.0, neginf=0.0), plan)
+    assert np.array_equal(pg.base_bits(n[0]), _entropy_by_bincount(n[0] + pg.BASE_LIMIT, 255))
+    for k in range(1, plan.levels):
+        split = ~np.all(n[k] == n[k - 1], axis=1)
+        want_bits = np.zeros(len(split))
+        if split.any():
+            sym, ctx = pg.refinement_symbols(n[k - 1][split], n[k][split])
+            want_bits[split] = (_entropy_by_bincount(ctx * pg.SPLIT + sym, 9)
+                                - _entropy_by_bincount(ctx, 3))  # fmt: skip
+        assert np.array_equal(pg.refinement_bits(n[k - 1], n[k]), want_bits)
+
+
+def test_the_counting_kernels_refuse_what_does_not_nest() -> None:
+    parent = np.array([[0, 1, 2]])
+    with pytest.raises(ValueError, match="do not nest"):
+        pg.refinement_bits(parent, np.array([[0, 5, 6]]))
+    with pytest.raises(ValueError, match="outside"):
+        pg.base_bits(np.array([[200, 0]]))
