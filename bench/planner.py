@@ -20,12 +20,14 @@ For each:
 - ``a load's plans``: the 2n plans of a load, chunk k planning chunks k.. with its
   share of the deadline.
 
-Each row is timed for the planner as shipped (:func:`kvcdn.sdk.planner.plan`, which
-weighs every (chunk, option) pair at once as arrays) and for the same search one pair
-at a time (``tests/planner_reference.py``, the search as first written), in the same
-run: the ratio is the speed-up. Both choose the same plan (checked here too). The
-reference's load rows above 128 chunks are left out (minutes each: the search is
-cubic in the chunks there). Prints a table, writes JSON.
+Each row is timed for three searches, in the same run: the planner as shipped with its
+harmonic predictor (:func:`kvcdn.sdk.planner.plan`, a compiled kernel,
+:mod:`kvcdn.kernels.downgrade`), the same planner with a predictor it cannot compile
+for (``arrays``: numpy, every (chunk, option) pair of a step at once), and the search
+one pair at a time (``tests/planner_reference.py``, as first written). All three choose
+the same plan (checked here too). The reference's load rows above 128 chunks are left
+out (minutes each: the search is cubic in the chunks there). Prints a table, writes
+JSON.
 """
 
 from __future__ import annotations
@@ -67,23 +69,49 @@ def link() -> HarmonicPredictor:
     return predictor
 
 
-def one_plan(cs: list[ChunkChoice], deadline: float) -> tuple[float, planner.Plan]:
+class OpaqueLink:
+    """The same link, through a predictor that does not say it is linear: the planner
+    searches it with numpy arrays."""
+
+    def __init__(self) -> None:
+        self.link = link()
+
+    def predict_seconds(self, nbytes: int) -> float:
+        return self.link.predict_seconds(nbytes)
+
+    def predict_seconds_many(self, nbytes: Any) -> Any:
+        return self.link.predict_seconds_many(nbytes)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        self.link.observe(nbytes, seconds)
+
+
+def one_plan(cs: list[ChunkChoice], deadline: float, make_link: Any
+             ) -> tuple[float, planner.Plan]:  # fmt: skip
     best, result = float("inf"), None
     for _ in range(3):
         started = time.process_time()
-        result = planner.plan(cs, link(), deadline)
+        result = planner.plan(cs, make_link(), deadline)
         best = min(best, time.process_time() - started)
     assert result is not None
     return best, result
 
 
-def a_loads_plans(cs: list[ChunkChoice], deadline: float) -> float:
-    n, predictor, busy = len(cs), link(), Busy(1_000_000, 0.01, 0.0)
+def a_loads_plans(cs: list[ChunkChoice], deadline: float, make_link: Any) -> float:
+    n, predictor, busy = len(cs), make_link(), Busy(1_000_000, 0.01, 0.0)
     started = time.process_time()
     for k in range(n):
         for _ in range(2):
             planner.plan(cs[k:], predictor, deadline * (n - k) / n, busy)
     return time.process_time() - started
+
+
+def _against(row: dict[str, Any], key: str, unit: float, fmt: str) -> str:
+    """The compiled search's figure, then the others' with their ratio to it."""
+    own, other, ref = (row[f"{name}_{key}"] for name in ("compiled", "arrays", "pairwise"))
+    cells = [f"{own * unit:{fmt}}", f"{other * unit:{fmt}} ({other / own:4.1f}x)"]
+    cells.append("(not run)" if ref is None else f"{ref * unit:{fmt}} ({ref / own:5.1f}x)")
+    return " / ".join(cells)
 
 
 def main() -> int:
@@ -101,26 +129,25 @@ def main() -> int:
         link_s = n * bytes_of["default" if case == "fits" else "lowest"] / 50e6
         deadline = link_s if case == "fits" else link_s / 2
         row: dict[str, Any] = {"chunks": n, "deadline": case, "deadline_s": deadline}
-        for name, search in (("arrays", shipped), ("pairwise", downgrade_pairwise)):
+        searches = (("compiled", shipped, link), ("arrays", shipped, OpaqueLink),
+                    ("pairwise", downgrade_pairwise, link))  # fmt: skip
+        for name, search, make_link in searches:
             planner._downgrade = search
             try:
-                row[f"{name}_one_plan_s"], made = one_plan(cs, deadline)
+                row[f"{name}_one_plan_s"], made = one_plan(cs, deadline, make_link)
                 row[f"{name}_levels"] = {lv: sum(o.level == lv for o in made.choices.values())
                                          for lv in [*(x[0] for x in LEVELS), TEXT]}  # fmt: skip
                 row[f"{name}_load_s"] = (None if name == "pairwise" and n > REFERENCE_LOAD_MAX
-                                         else a_loads_plans(cs, deadline))  # fmt: skip
+                                         else a_loads_plans(cs, deadline, make_link))  # fmt: skip
             finally:
                 planner._downgrade = shipped
-        if row["arrays_levels"] != row["pairwise_levels"]:
-            raise SystemExit(f"{n} chunks, {case}: the two searches chose differently")
+        if not row["compiled_levels"] == row["arrays_levels"] == row["pairwise_levels"]:
+            raise SystemExit(f"{n} chunks, {case}: the searches chose differently")
         rows.append(row)
-        one, one_ref = row["arrays_one_plan_s"], row["pairwise_one_plan_s"]
-        load, load_ref = row["arrays_load_s"], row["pairwise_load_s"]
-        ref = "(not run)" if load_ref is None else f"{load_ref:7.3f} s ({load_ref / load:4.1f}x)"
-        print(f"{n:4d} chunks, deadline {case:6s} ({deadline:5.2f} s): one plan "
-              f"{one * 1e3:8.1f} ms against {one_ref * 1e3:8.1f} ms ({one_ref / one:4.1f}x); "
-              f"a load's plans "
-              f"{load:7.3f} s against {ref}", flush=True)  # fmt: skip
+
+        print(f"{n:4d} chunks, deadline {case:6s} ({deadline:5.2f} s): one plan, ms, compiled / "
+              f"arrays / pairwise: {_against(row, 'one_plan_s', 1e3, '7.2f')}; a load's plans, "
+              f"s: {_against(row, 'load_s', 1, '7.3f')}", flush=True)  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     setup = {"python": sys.version.split()[0], "platform": platform.platform(),
              "link_bps": 50e6, "cpu_seconds": "time.process_time"}  # fmt: skip

@@ -27,7 +27,7 @@ from kvcdn.profile_store import ProfileCache
 from kvcdn.signing import TrustPolicy
 from kvcdn.store import Reader
 
-from . import checks
+from . import checks, planner
 from .bounded import BoundedReader
 from .context import BlendedContext, Context, LoadPlan
 from .devspeed import DeviceSpeeds
@@ -136,6 +136,7 @@ class Client:
     def _warm_kernels(self) -> None:
         try:
             codec.warm_up()
+            planner.warm_up()
         except Exception:  # the first request meets the same error and raises it
             log.debug("warming up the decode kernels failed", exc_info=True)
 

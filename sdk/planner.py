@@ -98,6 +98,8 @@ class HarmonicPredictor:
     ) -> None:
         if initial_bps <= 0:
             raise ValueError("initial_bps must be positive")
+        self._version = 0  # of the samples and the prior: a new one at each change
+        self._throughput = (-1, 0.0)  # throughput() as of a version
         self.initial_bps = initial_bps
         self.latency_s = latency_s
         self.max_bps = max_bps
@@ -109,9 +111,25 @@ class HarmonicPredictor:
     def samples(self) -> int:
         return len(self._samples)
 
+    @property
+    def initial_bps(self) -> float:
+        return self._initial_bps
+
+    @initial_bps.setter
+    def initial_bps(self, bps: float) -> None:
+        self._initial_bps = bps
+        self._version += 1
+
     def throughput(self) -> float:
         """Predicted bytes per second, with the error margin applied."""
-        return self._harmonic() / (1.0 + max(self._errors, default=0.0))
+        # Computed once per sample (a plan asks hundreds of times), and kept with the
+        # version of the samples it read: loads on other threads may observe meanwhile.
+        cached, version = self._throughput, self._version
+        if cached[0] == version:
+            return cached[1]
+        bps = self._harmonic() / (1.0 + max(self._errors, default=0.0))
+        self._throughput = (version, bps)
+        return bps
 
     def _harmonic(self) -> float:
         if not self._samples:
@@ -122,6 +140,11 @@ class HarmonicPredictor:
         if nbytes <= 0:
             return 0.0
         return self.latency_s + nbytes / self.throughput()
+
+    def linear(self) -> tuple[float, float]:
+        """The prediction as ``latency_s + bytes / throughput``: (latency_s, throughput),
+        for a planner that computes it itself (:mod:`kvcdn.kernels.downgrade`)."""
+        return self.latency_s, self.throughput()
 
     def predict_seconds_many(self, nbytes: np.ndarray) -> np.ndarray:
         """:meth:`predict_seconds` of each of ``nbytes`` (an integer array), the same
@@ -136,6 +159,7 @@ class HarmonicPredictor:
         if self._samples:  # the initial guess is not a prediction to hold against the link
             self._errors.append(abs(self._harmonic() - measured) / measured)
         self._samples.append(measured)
+        self._version += 1
 
 
 @dataclass
@@ -237,6 +261,9 @@ def plan(
     return Plan(chosen, finish, finish <= deadline_s)
 
 
+_PADDING = Option("", 0, 0.0)  # where a chunk has fewer options than others
+
+
 def _downgrade(
     chunks: Sequence[ChunkChoice],
     chosen: dict[int, Option],
@@ -246,27 +273,58 @@ def _downgrade(
     """:func:`plan`'s search: from ``chosen``, the swap that saves the most time per unit
     of quality lost, again and again, while the estimate misses ``deadline_s``.
 
-    Each step weighs every (chunk, option) pair at once, as arrays: a step of a
-    128-chunk plan took ~0.25 ms pair by pair in Python, and a plan that misses its
-    deadline takes a step per swap, some hundreds, made again after every chunk of the
-    load. The arithmetic is the scalar model's, operation for operation, and ties go to
-    the first pair in chunk and option order, so the plan is the same."""
+    Each step weighs every (chunk, option) pair: a plan that misses its deadline takes
+    a step per swap, some hundreds for a long document, made again after every chunk
+    of the load. A link predicted as ``latency + bytes / throughput`` (``linear()``:
+    :class:`HarmonicPredictor`) is searched by a compiled kernel
+    (:mod:`kvcdn.kernels.downgrade`); any other predictor by numpy, every pair of a
+    step at once. Both use the scalar model's arithmetic, operation for operation, and
+    break ties toward the first pair in chunk and option order, so the plan is the same."""
     n = len(chunks)
     if not n:  # only the work under way misses the deadline
         return chosen
     width = max(len(c.options) for c in chunks)
-    valid = np.zeros((n, width), dtype=bool)
-    nbytes = np.zeros((n, width), dtype=np.int64)
-    device = np.zeros((n, width))
-    quality = np.zeros((n, width))
-    text = np.zeros((n, width), dtype=bool)
-    at = np.zeros(n, dtype=np.int64)  # each chunk's chosen option
-    for i, c in enumerate(chunks):
-        for k, o in enumerate(c.options):
-            valid[i, k], nbytes[i, k], device[i, k] = True, o.bytes, o.device_s
-            quality[i, k], text[i, k] = o.quality, o.level == TEXT
-            if o is chosen[c.index]:
-                at[i] = k
+    # [chunks, options], a chunk's missing options padded (and not valid)
+    pad = [(_PADDING,) * (width - len(c.options)) for c in chunks]
+    rows = [c.options + p for c, p in zip(chunks, pad, strict=True)]
+    valid = np.array([[True] * len(c.options) + [False] * len(p)
+                      for c, p in zip(chunks, pad, strict=True)])  # fmt: skip
+    nbytes = np.array([[o.bytes for o in r] for r in rows], dtype=np.int64)
+    device = np.array([[o.device_s for o in r] for r in rows], dtype=np.float64)
+    quality = np.array([[o.quality for o in r] for r in rows], dtype=np.float64)
+    text = np.array([[o.level == TEXT for o in r] for r in rows], dtype=bool)
+    at = np.array([next(k for k, o in enumerate(c.options) if o is chosen[c.index])
+                   for c in chunks], dtype=np.int64)  # each chunk's chosen option  # fmt: skip
+    linear = getattr(est.predictor, "linear", None)
+    if linear is not None:
+        from kvcdn.kernels.downgrade import downgrade
+
+        latency_s, bps = linear()
+        busy = est.busy
+        downgrade(valid, nbytes, device, quality, text, at, float(busy.device_s),
+                  int(busy.link_bytes), float(busy.text_ready_s), int(est.bytes),
+                  float(est.device_s), float(est.text_s), float(latency_s), float(bps),
+                  float(deadline_s))  # fmt: skip
+    else:
+        _downgrade_arrays(chunks, valid, nbytes, device, quality, text, at, est, deadline_s)
+    return {c.index: c.options[at[i]] for i, c in enumerate(chunks)}
+
+
+def warm_up() -> None:
+    """Load the compiled search :func:`plan` uses for a harmonic predictor (on a
+    client's warm-up thread, not on a load's clock)."""
+    from kvcdn.kernels.downgrade import warm_up as load_kernel
+
+    load_kernel()
+
+
+def _downgrade_arrays(
+    chunks: Sequence[ChunkChoice], valid: np.ndarray, nbytes: np.ndarray, device: np.ndarray,
+    quality: np.ndarray, text: np.ndarray, at: np.ndarray, est: _Estimate, deadline_s: float,
+) -> None:  # fmt: skip
+    """:func:`_downgrade`'s search in numpy, for any predictor: each step weighs every
+    (chunk, option) pair at once; ``at`` (each chunk's option) is changed in place."""
+    n, width = valid.shape
     decode = np.where(text, 0.0, device)  # what an option adds to the last decode
     text_device = np.where(text, device, 0.0)
     rows = np.arange(n)
@@ -297,14 +355,10 @@ def _downgrade(
         with np.errstate(divide="ignore", invalid="ignore"):
             score = np.where(loss <= 0, np.inf, saved / loss)
         i, k = divmod(int(np.argmax(np.where(usable, score, -np.inf))), width)
-        index = chunks[i].index
-        alt = chunks[i].options[k]
-        est.add(chosen[index], -1)
-        est.add(alt)
-        chosen[index] = alt
+        est.add(chunks[i].options[at[i]], -1)
+        est.add(chunks[i].options[k])
         at[i], decode_now[i] = k, decode[i, k]
         finish = est.finish(float(decode_now.max(initial=0.0)))
-    return chosen
 
 
 def _link_seconds(predictor: ThroughputPredictor, nbytes: np.ndarray) -> np.ndarray:

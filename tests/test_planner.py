@@ -284,9 +284,10 @@ def _random_choices(rng: random.Random) -> list[ChunkChoice]:
 
 
 def test_the_search_weighing_every_pair_at_once_makes_the_scalar_searchs_plan(monkeypatch):
-    """The downgrade search weighs all (chunk, option) pairs as arrays; on 1,000 random
-    plans (ties, text-only and fetched-only chunks, work under way, both kinds of
-    predictor) it chooses exactly what the pair-by-pair search chooses."""
+    """The downgrade search (compiled for the harmonic predictor, numpy arrays for any
+    other); on 1,000 random plans (ties, text-only and fetched-only chunks, work under
+    way, both kinds of predictor, so both searches) it chooses exactly what the
+    pair-by-pair search chooses."""
     from kvcdn.sdk import planner as planner_module
     from tests.planner_reference import downgrade_pairwise
 

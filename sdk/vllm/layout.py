@@ -104,8 +104,10 @@ class PagedLayout:
         return made
 
     def warm_up(self) -> None:
-        """Load the decode and write kernels now, not on the first request's clock."""
+        """Load the decode and write kernels (and the planner's search) now, not on the
+        first request's clock."""
         from kvcdn import codec
+        from kvcdn.sdk import planner
 
         device = self.device
         try:
@@ -117,6 +119,7 @@ class PagedLayout:
                 from kvcdn.kernels import rans_numba
 
                 rans_numba.warm_up_permuted(into)
+            planner.warm_up()
         except Exception as exc:  # only a first load's speed depends on it
             log.info("kvcdn: warming the decoder up failed: %s", exc)
 
