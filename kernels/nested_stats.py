@@ -44,6 +44,32 @@ def row_counts(sym: np.ndarray, bins: int) -> np.ndarray:
     return counts
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _base_counts(r0, r1, x, divisor, limit, counts):  # pragma: no cover - jitted
+    N, T = x.shape
+    for i in range(r0, r1):
+        for t in range(T):
+            q = np.rint(x[i, t] / divisor[i])
+            if q < -limit:
+                q = -limit
+            elif q > limit:
+                q = limit
+            elif q != q:  # NaN
+                q = 0.0
+            counts[i, np.int64(q) + np.int64(limit)] += 1
+
+
+def base_counts(x: np.ndarray, divisor: np.ndarray, limit: int) -> np.ndarray:
+    """Per row of ``x [N, T]`` (float64): the counts of its base indices
+    ``clip(rint(x / divisor), -limit, limit)`` (NaN read as 0), ``[N, 2 * limit + 1]``
+    from ``-limit``."""
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    counts = np.zeros((x.shape[0], 2 * limit + 1), dtype=np.int64)
+    parallel.run(_base_counts, x.shape[0], x, np.ascontiguousarray(divisor, dtype=np.float64),
+                 float(limit), counts)  # fmt: skip
+    return counts
+
+
 @njit(cache=True, nogil=True)
 def _refinement_counts(r0, r1, parent, child, split, counts, bad):  # pragma: no cover
     N, T = parent.shape

@@ -473,7 +473,7 @@ def _plan_nested(
     lo, hi = 0.2, 16.0
     for _ in range(30):  # the base: the strength that gives NESTED_BASE_BITS
         mid = math.sqrt(lo * hi)
-        bits = pg.level_bits(x, pg.base_plan(base_step(mid)))[0]
+        bits = pg.base_level_bits(x, base_step(mid))
         lo, hi = (mid, hi) if bits > NESTED_BASE_BITS else (lo, mid)
     plan = pg.base_plan(base_step(hi))
     for name in names[1:]:

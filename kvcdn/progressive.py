@@ -194,6 +194,14 @@ def refinement_bits(parent: np.ndarray, child: np.ndarray) -> np.ndarray:
     return out
 
 
+def base_level_bits(x: np.ndarray, base_step: np.ndarray) -> float:
+    """``level_bits(x, base_plan(base_step))[0]``, counted in one pass over ``x``: what a
+    search for the base's step asks at every step."""
+    # a base-only plan's finest step is its base step (``_finest`` divides by 3**0)
+    counts = nested_stats.base_counts(x, np.asarray(base_step, dtype=np.float64), BASE_LIMIT)
+    return float(_entropy(counts, x.shape[1]).mean())
+
+
 def level_bits(x: np.ndarray, plan: NestedPlan) -> list[float]:
     """Mean bits per element of ``x`` at every level: the base plus refinements up to it."""
     n = indices(x, plan)

@@ -140,6 +140,8 @@ def test_the_calibration_kernels_give_the_numpy_definitions_bit_for_bit(
         want[:, :, :, sinks:] = value
         got = pg.level_values(kv, mean, plan, k, sinks)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert pg.base_level_bits(x, plan.base_step) == pg.level_bits(
+        x, pg.base_plan(plan.base_step))[0]  # fmt: skip
     n = pg.indices(np.nan_to_num(x, posinf=0.0, neginf=0.0), plan)
     assert np.array_equal(pg.base_bits(n[0]), _entropy_by_bincount(n[0] + pg.BASE_LIMIT, 255))
     for k in range(1, plan.levels):
