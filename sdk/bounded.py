@@ -32,6 +32,8 @@ from kvcdn.errors import DeadlineExceeded, StoreError
 from kvcdn.manifest import ObjectRef
 from kvcdn.store import Cancel, FetchCancelled, Fetched, Reader, ReaderBase, key_of
 
+from . import daemons
+
 log = logging.getLogger(__name__)
 
 #: Abandoned reads of one reader that may still be running before it refuses to read.
@@ -140,7 +142,7 @@ class BoundedReader(ReaderBase):
                     if abandoned:
                         stuck.count -= 1
 
-        threading.Thread(target=work, name="kvcdn-read", daemon=True).start()
+        daemons.start(work, "kvcdn-read")
         while not done.wait(_wait_step(cancel)):
             left = cancel.time_left()
             if cancel.is_set() or (left is not None and left <= 0):

@@ -42,6 +42,7 @@ from kvcdn.manifest import ChunkEntry, Manifest, ObjectRef
 from kvcdn.models import LoadedModel
 from kvcdn.store import Cancel, FetchCancelled, Reader
 
+from . import daemons
 from .devspeed import DeviceSpeed
 from .planner import (
     TEXT,
@@ -700,7 +701,7 @@ class Pipeline:
                     self.events.put(_Failed(c, exc, attempt))
 
         self.meter.start(now)
-        threading.Thread(target=work, name="kvcdn-fetch", daemon=True).start()
+        daemons.start(work, "kvcdn-fetch")
 
     def _abandon(self, c: _Chunk) -> None:
         """Put a cancelled fetch's chunk back to be planned, without waiting for its
@@ -911,7 +912,7 @@ class Pipeline:
                 self.events.put(_RefineEvent(c, cancel, error=exc))
 
         self.meter.start(now)
-        threading.Thread(target=work, name="kvcdn-refine", daemon=True).start()
+        daemons.start(work, "kvcdn-refine")
 
     def _refine_decode(self, c: _Chunk, read: PartRead) -> None:
         """The refined read decoded apart, then written over the chunk's KV: a refinement
