@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcdn.kernels import nested_stats
-from kvcdn.kernels.nested_stats import refinement_counts, row_counts
 
 SPLIT = 3
 #: Base indices are clipped to this magnitude (8-bit symbols, as the ladder codec's).
@@ -163,7 +162,7 @@ def refinement_symbols(parent: np.ndarray, child: np.ndarray) -> tuple[np.ndarra
 def _row_entropy(sym: np.ndarray, bins: int) -> np.ndarray:
     """Per row of ``sym`` (``[N, T]``, values in ``[0, bins)``): bits per element of an
     ideal coder with the row's own frequencies."""
-    return _entropy(row_counts(sym, bins), sym.shape[1])
+    return _entropy(nested_stats.row_counts(sym, bins), sym.shape[1])
 
 
 def _entropy(counts: np.ndarray, count: int) -> np.ndarray:
@@ -184,7 +183,7 @@ def refinement_bits(parent: np.ndarray, child: np.ndarray) -> np.ndarray:
     (``H(symbol | context)``, counted as :func:`refinement_symbols` codes them); a
     stream the refinement does not split (``child == parent`` everywhere) costs
     nothing."""
-    split, counts = refinement_counts(parent, child)
+    split, counts = nested_stats.refinement_counts(parent, child)
     out = np.zeros(parent.shape[0])
     if split.any():
         joint = counts[split]
