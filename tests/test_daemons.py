@@ -24,16 +24,22 @@ def _run(name: str, block: threading.Event | None = None) -> tuple[threading.Eve
 
 
 def test_a_finished_thread_takes_the_next_read_and_a_busy_one_does_not() -> None:
-    first, seen1 = _run("kvcdn-test-a")
-    assert first.wait(10)
-    # the first thread now waits for work: the next read runs on it, under its own name
+    together = threading.Event()  # two reads at once: two threads, both then waiting
+    first, seen1 = _run("kvcdn-test-a", block=together)
+    beside, _ = _run("kvcdn-test-a2", block=together)
+    together.set()
+    assert first.wait(10) and beside.wait(10)
+    # the first thread (and any an earlier test's reads left) now waits for work: the
+    # next read runs on one of those, under its own name, and starts no thread
     for _ in range(100):
-        if daemons._waiting:
+        if daemons._waiting >= 2:
             break
         threading.Event().wait(0.01)
+    alive = {t.ident for t in threading.enumerate()}
+    assert seen1[0][0] in alive
     second, seen2 = _run("kvcdn-test-b")
     assert second.wait(10)
-    assert seen2[0][0] == seen1[0][0] and seen2[0][1] == "kvcdn-test-b" and seen2[0][2]
+    assert seen2[0][0] in alive and seen2[0][1] == "kvcdn-test-b" and seen2[0][2]
     # a read that does not return keeps its thread: a read started after it began
     # runs on another
     stuck = threading.Event()
