@@ -52,8 +52,17 @@ class CephRGW:
             list(args), env=self.env, capture_output=True, text=True, timeout=timeout
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} failed: {done.stderr.strip()[-800:]}")
+            said = done.stderr.strip() or self._log_tail(args)
+            raise RuntimeError(f"{' '.join(args)} failed: {said[-800:]}")
         return done.stdout
+
+    def _log_tail(self, args: tuple[str, ...]) -> str:
+        """The daemons log to files, not stderr: the last lines of the one that failed."""
+        name = {"ceph-mon": "mon.a", "ceph-osd": "osd.0", "radosgw": "client.rgw.a"}.get(args[0])
+        log = self.root / "log" / f"{name}.log"
+        if name is None or not log.exists():
+            return "(no output)"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-4:])
 
     def start(self) -> None:
         r = self.root
@@ -76,6 +85,10 @@ osd pool default pg num = 8
 osd pool default pgp num = 8
 mon allow pool size one = true
 mon warn on pool no redundancy = false
+# A throwaway monitor: it must start on a nearly full disk too (CI machines are
+# shared); by default it refuses below 5% free space.
+mon data avail crit = 0
+mon data avail warn = 0
 osd objectstore = memstore
 memstore device bytes = 2147483648
 osd crush chooseleaf type = 0
