@@ -310,6 +310,7 @@ def decode(
     k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
     lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray, depth: np.ndarray,
     lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, out: np.ndarray,
+    vector: bool = True,
 ) -> None:  # fmt: skip
     """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32).
 
@@ -319,22 +320,34 @@ def decode(
     ``states [R, G, STATES]``; ``lut`` the packed decode tables ``[n, 4096]``, ``cum``
     the tables' starts (:func:`~kvcdn.kernels.rans.cumulative`); the rest as
     :func:`encode` takes them. Raises :class:`RansError` naming the first group
-    whose stream did not end where it should (values were written)."""
+    whose stream did not end where it should (values were written).
+
+    Sixteen groups at a time in vector registers (:mod:`.nested_simd`) where the host
+    has AVX-512 and the arrays allow, else (or with ``vector=False``) group by group;
+    the two give the same values and errors."""
+    from . import nested_simd  # it imports this module
+
     G = out.shape[0]
     if not len(words) or np.any(wbeg > wend) or np.any(wend > len(words)) or np.any(wbeg < 0):
         raise ValueError("stream bounds outside the words")
-    depth = np.ascontiguousarray(depth, dtype=np.int64)
     status = np.zeros(G, dtype=np.int64)
-    parallel.run(
-        _decode, G, k, words, np.ascontiguousarray(wbeg, dtype=np.int64),
+    args = (
+        k, words, np.ascontiguousarray(wbeg, dtype=np.int64),
         np.ascontiguousarray(wend, dtype=np.int64),
         np.ascontiguousarray(states, dtype=np.uint32), lut.reshape(-1),
         np.ascontiguousarray(cum, dtype=np.uint32),
         np.ascontiguousarray(mean, dtype=np.float32), np.ascontiguousarray(fine, dtype=np.float32),
-        np.ascontiguousarray(depth[-1]), depth, np.ascontiguousarray(lo, dtype=np.int64),
-        np.ascontiguousarray(base_tid, dtype=np.int64),
-        np.ascontiguousarray(refine_tid, dtype=np.int64), out, status,
     )  # fmt: skip
+    depth = np.ascontiguousarray(depth, dtype=np.int64)
+    tables = (
+        np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(base_tid, dtype=np.int64),
+        np.ascontiguousarray(refine_tid, dtype=np.int64),
+    )  # fmt: skip
+    if vector and nested_simd.usable(out, words, lut):
+        nested_simd.decode(*args, depth, *tables, out, status)
+    else:
+        parallel.run(_decode, G, *args, np.ascontiguousarray(depth[-1]), depth, *tables, out,
+                     status)  # fmt: skip
     bad = np.flatnonzero(status)
     if bad.size:
         raise RansError(f"group {int(bad[0])}: its rANS stream does not end where it should")
@@ -346,7 +359,7 @@ def warm_up() -> None:
     real decode does not pay for loading the compiled kernel (about 0.2 s). Nothing is
     encoded (a reader never compiles the encoder): the stream is made up, and fails
     its end check, which is expected."""
-    G, T, D = 2, 1, 4
+    G, T, D = 2, 1, 16  # lanes enough for the vector kernel too
     freqs = np.zeros((2, 12), dtype=np.uint32)
     freqs[0, :4] = 1024  # a base table of 4 symbols
     freqs[1, :3] = (1366, 1365, 1365)  # a ternary refinement table
@@ -363,8 +376,9 @@ def warm_up() -> None:
     lut, starts = build_decode_table(freqs), cumulative(freqs)
     for out in (np.empty((G, T, D), dtype=np.float32),
                 np.empty((G, T + 1, D), dtype=np.float32)[:, 1:]):  # fmt: skip
-        try:
-            decode(1, words, bounds, bounds, states, lut, starts, mean, fine, depth, lo,
-                   base_tid, refine_tid, out)  # fmt: skip
-        except RansError:
-            pass  # the made-up stream does not end where it should
+        for vector in (False, True):
+            try:
+                decode(1, words, bounds, bounds, states, lut, starts, mean, fine, depth, lo,
+                       base_tid, refine_tid, out, vector)  # fmt: skip
+            except RansError:
+                pass  # the made-up stream does not end where it should

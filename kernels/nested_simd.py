@@ -1,0 +1,224 @@
+"""The nested ladder's CPU decoder sixteen groups at a time (AVX-512, :mod:`.simd`).
+
+The same streams, values and end checks as :func:`kvcdn.kernels.nested.decode`, bit
+for bit; the lanes of one vector are sixteen groups (layer, K/V, head), not the
+lanes of one group: a group's stream is sequential (its four states share one word
+position), but groups are independent, so each vector lane keeps one group's state
+``i``, word position and bounds, and every table lookup and word read is a gather.
+
+* The base: one step per (token, lane ``d``) decodes lane ``d`` of all sixteen groups,
+  states taken in turn as the format interleaves them.
+* A refinement: groups split different lanes, so step ``q`` decodes each group's
+  ``q``-th coded lane (its index gathered, its parent index gathered, the new index
+  scattered back); a group with fewer coded lanes sits the last steps out (its state
+  and position kept by a blend). To waste few steps, :func:`decode` blocks the groups
+  in the order of their coded-lane counts, tier by tier (0.64-0.82 of the steps busy
+  on the embedded model, against 0.44-0.55 in stored order).
+* A ternary table needs no lookup: its symbol is the count of its two cut points at
+  or below the slot, its start and next cut are blends of them.
+* Values: each group's row of the token gathered from the lanes' indices and written
+  as sixteen consecutive floats, ``mean + float32(n) * scale`` rounded twice as the
+  scalar kernel rounds them.
+
+The last block of a range is filled with copies of its last group: they decode it
+again and write the same values to the same places. Word reads are clamped to each
+group's stream as in the scalar kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import parallel
+from .nested import STATES, _pow3
+from .rans import PROB_BITS, RANS_L
+from .simd import W, broadcast, gather, load, minimum, put_values, scatter, select, sra, store
+
+_MASK = (1 << PROB_BITS) - 1
+_SLOTS = 1 << PROB_BITS
+_MAX_BYTES = 1 << 31  # the instructions' byte offsets are signed 32-bit
+
+
+def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray) -> bool:
+    """Whether :func:`decode` takes these arrays: a host with the instructions, a
+    group row of whole vectors, contiguous within a token, and tables and words that
+    32-bit byte offsets reach."""
+    from .simd import AVAILABLE
+
+    return (
+        AVAILABLE
+        and out.ndim == 3
+        and out.dtype == np.float32
+        and words.dtype == np.uint16
+        and lut.dtype == np.uint32
+        and out.shape[2] % W == 0
+        and out.strides[2] == out.itemsize
+        and words.nbytes + 4 < _MAX_BYTES
+        and lut.nbytes < _MAX_BYTES
+    )
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _base_step(x, p, last, at, rows, low, lut, words, n):  # pragma: no cover - jitted
+    """Lane ``at // W`` of every group from its states ``x`` (word position ``p``):
+    (new states, new position); the indices go to ``n[at:at + W]``."""
+    slot = x & _MASK
+    e = gather(lut, load(rows, at) + slot)
+    v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + (e >> 20)
+    take = v < RANS_L
+    w = gather(words, minimum(p, last))
+    store(n, at, (e & 0xFF) + load(low, at))
+    return (v << (take << 4)) | (w & (0 - take)), p + take
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _refine_step(x, p, last, busy, at, coded, cuts, words, n):  # pragma: no cover - jitted
+    """Coded lane ``at`` of a tier (``coded[at * W:]``: where each group's lies in
+    ``n``), in the groups where ``busy``: (new states, new position)."""
+    where = load(coded, at * W)
+    parent = gather(n, where)
+    sign = sra(parent, 31)
+    size = (parent ^ sign) - sign  # context min(|parent|, 2)
+    c = at * 3 * W
+    cut = select(size != 0, load(cuts, c + W), load(cuts, c))
+    cut = select(size > 1, load(cuts, c + 2 * W), cut)
+    first, second = cut & 0xFFFF, cut >> 16
+    slot = x & _MASK
+    above_first, above_second = first <= slot, second <= slot
+    start = select(above_second, second, select(above_first, first, 0))
+    end = select(above_second, _SLOTS, select(above_first, second, first))
+    v = (end - start) * (x >> PROB_BITS) + slot - start
+    take = (v < RANS_L) & busy
+    w = gather(words, minimum(p, last))
+    step = above_first + above_second - 1  # counted from the mean's side
+    scatter(n, where, parent * 3 + step * (sign | 1), busy)
+    return select(busy, (v << (take << 4)) | (w & (0 - take)), x), p + take
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, fine, top,
+                   depth, lo, base_tid, refine_tid, out, status):  # pragma: no cover  # fmt: skip
+    """Blocks ``[b0, b1)`` of ``W`` groups (``order[b * W:]``), tiers ``0..k``."""
+    G, T, D = out.shape
+    R = k + 1
+    group_stride, token_stride = out.strides[0] // 4, out.strides[1] // 4
+    rows = np.empty(D * W, np.uint32)  # lane-major: [d * W + lane]
+    low = np.empty(D * W, np.uint32)
+    mu = np.empty(W * D, np.float32)  # group-major: [lane * D + d]
+    scale = np.empty(W * D, np.float32)
+    coded = np.zeros(R * D * W, np.uint32)
+    cuts = np.zeros(R * D * 3 * W, np.uint32)  # first | second << 16, per context
+    xs = np.empty(R * STATES * W, np.uint32)
+    pos = np.empty(R * W, np.uint32)
+    last = np.empty(R * W, np.uint32)
+    count = np.empty(R * W, np.uint32)
+    steps = np.zeros(R, np.int64)
+    n = np.empty(D * W, np.uint32)
+    groups = np.empty(W, np.int64)
+    iota = np.arange(W).astype(np.uint32)
+    for block in range(b0, b1):
+        steps[:] = 0
+        for lane in range(W):
+            g = order[min(block * W + lane, G - 1)]
+            groups[lane] = g
+            for d in range(D):
+                rows[d * W + lane] = base_tid[g, d] * _SLOTS
+                low[d * W + lane] = np.uint32(np.int64(lo[g, d]) & 0xFFFFFFFF)
+                mu[lane * D + d] = mean[g, d]
+                scale[lane * D + d] = np.float32(_pow3(top[g, d] - depth[k, g, d])) * fine[g, d]
+            for r in range(R):
+                q = 0
+                for d in range(D if r > 0 else 0):
+                    if depth[r, g, d] != depth[r - 1, g, d]:
+                        at = r * D + q
+                        coded[at * W + lane] = d * W + lane
+                        for c in range(3):
+                            tab = refine_tid[r - 1, c, g, d]
+                            cuts[(at * 3 + c) * W + lane] = cum[tab, 1] | (cum[tab, 2] << 16)
+                        q += 1
+                for rest in range(q, D if r > 0 else 0):  # idle steps read lane 0's place
+                    coded[(r * D + rest) * W + lane] = lane
+                count[r * W + lane] = q
+                steps[r] = max(steps[r], q)
+                for i in range(STATES):
+                    xs[(r * STATES + i) * W + lane] = states[r, g, i]
+                pos[r * W + lane] = wbeg[r, g]
+                last[r * W + lane] = max(wend[r, g] - 1, wbeg[r, g])
+        spread = load(iota, 0) * W
+        for t in range(T):
+            x0, x1, x2, x3 = load(xs, 0), load(xs, W), load(xs, 2 * W), load(xs, 3 * W)
+            p, end = load(pos, 0), load(last, 0)
+            for d in range(0, D, 4):
+                x0, p = _base_step(x0, p, end, d * W, rows, low, lut, words, n)
+                x1, p = _base_step(x1, p, end, (d + 1) * W, rows, low, lut, words, n)
+                x2, p = _base_step(x2, p, end, (d + 2) * W, rows, low, lut, words, n)
+                x3, p = _base_step(x3, p, end, (d + 3) * W, rows, low, lut, words, n)
+            store(xs, 0, x0)
+            store(xs, W, x1)
+            store(xs, 2 * W, x2)
+            store(xs, 3 * W, x3)
+            store(pos, 0, p)
+            for r in range(1, R):
+                o = r * STATES * W
+                x0, x1 = load(xs, o), load(xs, o + W)
+                x2, x3 = load(xs, o + 2 * W), load(xs, o + 3 * W)
+                p, end, m = load(pos, r * W), load(last, r * W), load(count, r * W)
+                a, e = r * D, r * D + steps[r]
+                while a < e:
+                    x0, p = _refine_step(x0, p, end, broadcast(a - r * D) < m, a, coded, cuts,
+                                         words, n)  # fmt: skip
+                    if a + 1 < e:
+                        x1, p = _refine_step(x1, p, end, broadcast(a + 1 - r * D) < m, a + 1,
+                                             coded, cuts, words, n)  # fmt: skip
+                    if a + 2 < e:
+                        x2, p = _refine_step(x2, p, end, broadcast(a + 2 - r * D) < m, a + 2,
+                                             coded, cuts, words, n)  # fmt: skip
+                    if a + 3 < e:
+                        x3, p = _refine_step(x3, p, end, broadcast(a + 3 - r * D) < m, a + 3,
+                                             coded, cuts, words, n)  # fmt: skip
+                    a += 4
+                store(xs, o, x0)
+                store(xs, o + W, x1)
+                store(xs, o + 2 * W, x2)
+                store(xs, o + 3 * W, x3)
+                store(pos, r * W, p)
+            for lane in range(W):
+                row = groups[lane] * group_stride + t * token_stride
+                for d in range(0, D, W):
+                    put_values(out, row + d, gather(n, spread + (d * W + lane)), mu, scale,
+                               lane * D + d)  # fmt: skip
+        for lane in range(W):
+            g = groups[lane]
+            ok = True
+            for r in range(R):
+                if pos[r * W + lane] != wend[r, g]:
+                    ok = False
+                for i in range(STATES):
+                    if xs[(r * STATES + i) * W + lane] != RANS_L:
+                        ok = False
+            status[g] = 0 if ok else 1
+
+
+def block_order(k: int, depth: np.ndarray) -> np.ndarray:
+    """The groups in the order the blocks take them: by the number of lanes each
+    refinement tier codes, tier 1 first, so that a block's groups code about as many."""
+    G = depth.shape[1]
+    if k == 0:
+        return np.arange(G, dtype=np.int64)
+    counts = (depth[1 : k + 1] != depth[:k]).sum(axis=2)  # [k, G]
+    return np.lexsort(counts[::-1]).astype(np.int64)
+
+
+def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
+           lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray,
+           depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray,
+           out: np.ndarray, status: np.ndarray) -> None:  # fmt: skip
+    """:func:`kvcdn.kernels.nested.decode`'s work on arrays it has checked and typed
+    (where :func:`usable`): each group's end check into ``status``."""
+    G = out.shape[0]
+    parallel.run(
+        _decode_blocks, -(-G // W), block_order(k, depth), k, words, wbeg, wend, states,
+        lut, cum, mean, fine, np.ascontiguousarray(depth[-1]), depth, lo, base_tid, refine_tid,
+        out, status,
+    )  # fmt: skip

@@ -1,0 +1,113 @@
+"""The nested ladder's vector decoder (sixteen groups at a time) against the scalar one,
+bit for bit, on streams the real encoder made from the embedded model's KV with its
+calibrated profile: every tier, group counts that fill no block, sliced outputs, and
+damaged streams, which both refuse naming the same group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcdn.kernels import nested, nested_simd, simd
+from kvcdn.kernels.rans import RansError
+
+pytestmark = pytest.mark.skipif(not simd.AVAILABLE, reason="the host has no AVX-512")
+
+TOKENS = 24
+ARRAYS = ("words", "wbeg", "wend", "states", "lut", "cum", "mean", "fine", "depth", "lo",
+          "base", "refine")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def streams(profile, model, sed_text) -> dict[str, np.ndarray]:
+    """Every group of 24 real tokens (with values far outside the tables, and a NaN,
+    which the encoder clips), coded by the real encoder; words read-only, as a payload's."""
+    kv = model.prefill(model.document_ids(sed_text)[: TOKENS + 8])[:, :, :, 8:]
+    mean, fine, depth, lo, size, base, refine = profile.nested_arrays()
+    x = kv.float().numpy().reshape(-1, TOKENS, kv.shape[4]).copy()
+    x[0, 1, 3], x[17, 2, 5], x[100, 0, 7] = 1e4, -1e4, np.nan
+    states, words, start = nested.encode(x, mean, fine, depth, lo, size, base, refine,
+                                         profile.freqs)  # fmt: skip
+    first = np.cumsum([0] + [len(w) for w in words])[:, None]
+    joined = np.concatenate([*words, np.zeros(1, np.uint16)])
+    joined.setflags(write=False)
+    return {
+        "words": joined, "wbeg": start[:, :-1] + first[:-1], "wend": start[:, 1:] + first[:-1],
+        "states": states, "lut": profile.decode_tables(), "cum": profile.table_starts(),
+        "mean": mean, "fine": fine, "depth": depth, "lo": lo, "base": base, "refine": refine,
+    }  # fmt: skip
+
+
+def groups_of(case: dict[str, np.ndarray], groups: np.ndarray) -> dict[str, np.ndarray]:
+    """The streams of some groups (each array's group axis is its second-to-last but
+    the words', the tables' and the states' middle one)."""
+    out = dict(case)
+    for a in ("wbeg", "wend"):
+        out[a] = case[a][:, groups]
+    out["states"] = case["states"][:, groups]
+    for a in ("mean", "fine", "lo", "base", "depth", "refine"):
+        out[a] = case[a][..., groups, :]
+    return out
+
+
+def decode(case: dict[str, np.ndarray], k: int, vector: bool, sliced: bool) -> np.ndarray:
+    G, D = case["mean"].shape
+    whole = np.full((G, TOKENS + 3, D), np.nan, dtype=np.float32)
+    out = whole[:, 3:] if sliced else whole[:, :TOKENS]
+    assert nested_simd.usable(out, case["words"], case["lut"])
+    nested.decode(k, *(case[a] for a in ARRAYS), out, vector)
+    return out
+
+
+@pytest.mark.parametrize("groups", [180, 17, 16, 1], ids=lambda g: f"{g}_groups")
+def test_vector_decoder_equals_the_scalar_one_at_every_tier(streams, groups: int) -> None:
+    rng = np.random.default_rng(groups)
+    case = groups_of(streams, np.sort(rng.choice(180, groups, replace=False)))
+    coded = case["depth"][1:] != case["depth"][:-1]
+    assert groups < 16 or coded.any(axis=(1, 2)).all()  # every tier codes lanes
+    for k in range(case["depth"].shape[0]):
+        for sliced in (False, True):
+            want = decode(case, k, False, sliced)
+            got = decode(case, k, True, sliced)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (k, sliced)
+            assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("how", ["truncate", "bad_state", "flip_word", "late_group"])
+def test_vector_decoder_refuses_what_the_scalar_one_refuses(streams, how: str) -> None:
+    """A damaged tier 2 of one group (or of the last group of a padded block): both
+    decoders raise, naming that group."""
+    case = {a: v.copy() for a, v in streams.items()}
+    g = 179 if how == "late_group" else 37
+    if how == "truncate":
+        case["wend"][2, g] -= 1
+    elif how in ("bad_state", "late_group"):
+        case["states"][2, g, 1] ^= 1
+    else:
+        at = (case["wbeg"][2, g] + case["wend"][2, g]) // 2
+        case["words"][at] ^= 0x5A5A
+    for vector in (False, True):
+        with pytest.raises(RansError, match=f"group {g}:"):
+            decode(case, 2, vector, sliced=True)
+    decode(case, 1, True, sliced=True)  # the tiers below are whole
+
+
+def test_shapes_the_vector_decoder_does_not_take_use_the_scalar_one(streams) -> None:
+    """Rows of 20 lanes (not whole vectors) and a last axis with a stride are refused by
+    the vector decoder; ``decode`` then decodes them group by group, the same values."""
+    case = groups_of(streams, np.arange(20))
+    assert not nested_simd.usable(np.empty((20, TOKENS, 20), np.float32), case["words"],
+                                  case["lut"])  # fmt: skip
+    strided = np.empty((20, TOKENS, 128), dtype=np.float32)[:, :, ::2]
+    assert not nested_simd.usable(strided, case["words"], case["lut"])
+    want = decode(case, 3, False, sliced=False)
+    nested.decode(3, *(case[a] for a in ARRAYS), strided)
+    assert np.array_equal(strided.view(np.uint32), want.view(np.uint32))
+
+
+def test_blocks_group_by_coded_lanes(streams) -> None:
+    order = nested_simd.block_order(3, streams["depth"])
+    assert sorted(order) == list(range(180))
+    counts = (streams["depth"][1:4] != streams["depth"][:3]).sum(axis=2)[:, order]
+    assert (np.diff(counts[0]) >= 0).all()  # tier 1's counts ascend, ties by tier 2
+    assert nested_simd.block_order(0, streams["depth"]).tolist() == list(range(180))
