@@ -18,6 +18,10 @@ compile for another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
 
 Indices are element indices into 1-D arrays; the byte offsets the instructions take
 are signed 32-bit, so callers keep every gathered array under 2 GiB.
+
+These operations are compiled into their callers, and numba's cache keys a cached
+kernel on its own source file only: a change here must come with a change to the
+kernels' files (a release changes every file), or their cached code stays the old.
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ def _operand(context, builder, ty, value):
 
 
 def _element_pointer(context, builder, arrty, arr, index, indexty, elem):
-    """Pointer to ``arr``'s element ``index`` (of a C-contiguous 1-D array), typed ``elem``."""
+    """Pointer to element ``index`` of ``arr``'s data (counted from its first element,
+    whatever its strides), typed ``elem``."""
     data = context.make_array(arrty)(context, builder, arr).data
     at = builder.gep(data, [context.cast(builder, index, indexty, types.intp)])
     return builder.bitcast(at, ir.PointerType(elem))

@@ -114,7 +114,10 @@ class NestedCodec(Codec):
         groups, s = lp * 2 * hp, st.sinks
         if s:
             dest.window(0, s).write_fp16(st.sink.view(np.uint16).reshape(lp, 2, hp, s, dim))
-        mean, fine, depth, lo, _, base, refine = (a[..., st.gids, :] for a in
+        g = st.gids
+        if g[-1] - g[0] + 1 == len(g):  # consecutive (all heads): views, not copies
+            g = slice(int(g[0]), int(g[-1]) + 1)
+        mean, fine, depth, lo, _, base, refine = (a[..., g, :] for a in
                                                   profile.nested_arrays())  # fmt: skip
         args = (st.k, st.words, st.wbeg, st.wend, st.states, profile.decode_tables(),
                 profile.table_starts(), mean, fine, depth, lo, base, refine)  # fmt: skip
