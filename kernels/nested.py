@@ -343,7 +343,7 @@ def decode(
         np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(base_tid, dtype=np.int64),
         np.ascontiguousarray(refine_tid, dtype=np.int64),
     )  # fmt: skip
-    if vector and nested_simd.usable(out, words, lut):
+    if vector and nested_simd.usable(out, words, lut, args[2], args[3]):
         nested_simd.decode(*args, depth, *tables, out, status)
     else:
         parallel.run(_decode, G, *args, np.ascontiguousarray(depth[-1]), depth, *tables, out,

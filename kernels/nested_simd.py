@@ -10,10 +10,11 @@ position), but groups are independent, so each vector lane keeps one group's sta
   states taken in turn as the format interleaves them.
 * A refinement: groups split different lanes, so step ``q`` decodes each group's
   ``q``-th coded lane (its index gathered, its parent index gathered, the new index
-  scattered back); a group with fewer coded lanes sits the last steps out (its state
-  and position kept by a blend). To waste few steps, :func:`decode` blocks the groups
-  in the order of their coded-lane counts, tier by tier (0.64-0.82 of the steps busy
-  on the embedded model, against 0.44-0.55 in stored order).
+  scattered back); a group with fewer coded lanes steps through a table of one
+  symbol of probability 1 for the last steps, which changes nothing (no masks). To
+  waste few steps, :func:`decode` blocks the groups in the order of their coded-lane
+  counts, tier by tier (0.64-0.82 of the steps busy on the embedded model, against
+  0.44-0.55 in stored order).
 * A ternary table needs no lookup: its symbol is the count of its two cut points at
   or below the slot, its start and next cut are blends of them.
 * Values: each group's row of the token gathered from the lanes' indices and written
@@ -37,13 +38,15 @@ from .simd import W, broadcast, gather, load, minimum, put_values, scatter, sele
 
 _MASK = (1 << PROB_BITS) - 1
 _SLOTS = 1 << PROB_BITS
-_MAX_BYTES = 1 << 31  # the instructions' byte offsets are signed 32-bit
+_MAX_ELEMENTS = 1 << 31  # the instructions' indices are signed 32-bit
 
 
-def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray) -> bool:
+def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray,
+           wend: np.ndarray) -> bool:  # fmt: skip
     """Whether :func:`decode` takes these arrays: a host with the instructions, a
-    group row of whole vectors, contiguous within a token, and tables and words that
-    32-bit byte offsets reach."""
+    group row of whole vectors, contiguous within a token, tables and words that
+    32-bit indices reach, and a word after every stream's last (each read takes two
+    words: the codec's words end with a padding word)."""
     from .simd import AVAILABLE
 
     return (
@@ -54,8 +57,9 @@ def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray) -> bool:
         and lut.dtype == np.uint32
         and out.shape[2] % W == 0
         and out.strides[2] == out.itemsize
-        and words.nbytes + 4 < _MAX_BYTES
-        and lut.nbytes < _MAX_BYTES
+        and len(words) < _MAX_ELEMENTS
+        and lut.size < _MAX_ELEMENTS
+        and int(np.maximum(wend - 1, wbeg).max(initial=0)) + 1 < len(words)
     )
 
 
@@ -73,9 +77,11 @@ def _base_step(x, p, last, at, rows, low, lut, words, n):  # pragma: no cover - 
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _refine_step(x, p, last, busy, at, coded, cuts, words, n):  # pragma: no cover - jitted
-    """Coded lane ``at`` of a tier (``coded[at * W:]``: where each group's lies in
-    ``n``), in the groups where ``busy``: (new states, new position)."""
+def _refine_step(x, p, last, at, coded, cuts, words, n):  # pragma: no cover - jitted
+    """Coded lane ``at`` of a tier (``coded[at * W:]``: where each group's index lies in
+    ``n``): (new states, new position). A group past its last coded lane steps through
+    a table of one symbol of probability 1, which leaves its state, and so its
+    position, as they are, and writes a scratch index."""
     where = load(coded, at * W)
     parent = gather(n, where)
     sign = sra(parent, 31)
@@ -89,11 +95,11 @@ def _refine_step(x, p, last, busy, at, coded, cuts, words, n):  # pragma: no cov
     start = select(above_second, second, select(above_first, first, 0))
     end = select(above_second, _SLOTS, select(above_first, second, first))
     v = (end - start) * (x >> PROB_BITS) + slot - start
-    take = (v < RANS_L) & busy
+    take = v < RANS_L
     w = gather(words, minimum(p, last))
     step = above_first + above_second - 1  # counted from the mean's side
-    scatter(n, where, parent * 3 + step * (sign | 1), busy)
-    return select(busy, (v << (take << 4)) | (w & (0 - take)), x), p + take
+    scatter(n, where, parent * 3 + step * (sign | 1), broadcast(1))
+    return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -112,9 +118,10 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, 
     xs = np.empty(R * STATES * W, np.uint32)
     pos = np.empty(R * W, np.uint32)
     last = np.empty(R * W, np.uint32)
-    count = np.empty(R * W, np.uint32)
     steps = np.zeros(R, np.int64)
-    n = np.empty(D * W, np.uint32)
+    # [d * W + lane], then a scratch row per step, which an idle step reads and writes:
+    # one row for all would make each step's gather wait for the last step's scatter
+    n = np.zeros(2 * D * W, np.uint32)
     groups = np.empty(W, np.int64)
     iota = np.arange(W).astype(np.uint32)
     for block in range(b0, b1):
@@ -137,9 +144,11 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, 
                             tab = refine_tid[r - 1, c, g, d]
                             cuts[(at * 3 + c) * W + lane] = cum[tab, 1] | (cum[tab, 2] << 16)
                         q += 1
-                for rest in range(q, D if r > 0 else 0):  # idle steps read lane 0's place
-                    coded[(r * D + rest) * W + lane] = lane
-                count[r * W + lane] = q
+                for rest in range(q, D if r > 0 else 0):  # past its coded lanes
+                    at = r * D + rest
+                    coded[at * W + lane] = (D + rest) * W + lane
+                    for c in range(3):
+                        cuts[(at * 3 + c) * W + lane] = _SLOTS | (_SLOTS << 16)
                 steps[r] = max(steps[r], q)
                 for i in range(STATES):
                     xs[(r * STATES + i) * W + lane] = states[r, g, i]
@@ -163,20 +172,16 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, 
                 o = r * STATES * W
                 x0, x1 = load(xs, o), load(xs, o + W)
                 x2, x3 = load(xs, o + 2 * W), load(xs, o + 3 * W)
-                p, end, m = load(pos, r * W), load(last, r * W), load(count, r * W)
+                p, end = load(pos, r * W), load(last, r * W)
                 a, e = r * D, r * D + steps[r]
                 while a < e:
-                    x0, p = _refine_step(x0, p, end, broadcast(a - r * D) < m, a, coded, cuts,
-                                         words, n)  # fmt: skip
+                    x0, p = _refine_step(x0, p, end, a, coded, cuts, words, n)
                     if a + 1 < e:
-                        x1, p = _refine_step(x1, p, end, broadcast(a + 1 - r * D) < m, a + 1,
-                                             coded, cuts, words, n)  # fmt: skip
+                        x1, p = _refine_step(x1, p, end, a + 1, coded, cuts, words, n)
                     if a + 2 < e:
-                        x2, p = _refine_step(x2, p, end, broadcast(a + 2 - r * D) < m, a + 2,
-                                             coded, cuts, words, n)  # fmt: skip
+                        x2, p = _refine_step(x2, p, end, a + 2, coded, cuts, words, n)
                     if a + 3 < e:
-                        x3, p = _refine_step(x3, p, end, broadcast(a + 3 - r * D) < m, a + 3,
-                                             coded, cuts, words, n)  # fmt: skip
+                        x3, p = _refine_step(x3, p, end, a + 3, coded, cuts, words, n)
                     a += 4
                 store(xs, o, x0)
                 store(xs, o + W, x1)

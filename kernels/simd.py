@@ -16,8 +16,8 @@ Only where :data:`AVAILABLE`: the x86 gather and scatter intrinsics compile nowh
 else, so callers keep a scalar kernel for other hosts (and for a numba told to
 compile for another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
 
-Indices are element indices into 1-D arrays; the byte offsets the instructions take
-are signed 32-bit, so callers keep every gathered array under 2 GiB.
+Indices are element indices into 1-D arrays, signed 32-bit in the instructions, so
+callers keep every gathered array under 2^31 elements.
 
 These operations are compiled into their callers, and numba's cache keys a cached
 kernel on its own source file only: a change here must come with a change to the
@@ -36,7 +36,7 @@ from numba.extending import intrinsic, models, overload, register_model
 
 W = 16  # lanes
 _I8P = ir.PointerType(ir.IntType(8))
-_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_I32 = ir.IntType(32)
 _VT = ir.VectorType(_I32, W)
 _VF = ir.VectorType(ir.FloatType(), W)
 _VM = ir.VectorType(ir.IntType(1), W)
@@ -195,25 +195,29 @@ def store(typingctx, arr, at, value):
     return types.none(arr, at, value), codegen
 
 
-def _gather_dwords(builder, base, offsets):
-    """The 32-bit words at byte ``offsets`` from ``base`` (``vpgatherdd``)."""
+def _gather_dwords(builder, base, index, scale):
+    """The 32-bit words at ``base + index * scale`` bytes (``vpgatherdd``)."""
     fnty = ir.FunctionType(_VT, [_VT, _I8P, _VT, _VM, _I32])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.gather.dpi.512")
-    return builder.call(fn, [ir.Constant(_VT, ir.Undefined), base, offsets, _ALL, _I32(1)])
+    return builder.call(fn, [ir.Constant(_VT, ir.Undefined), base, index, _ALL, _I32(scale)])
 
 
-def _scatter_dwords(builder, base, where, offsets, values):
-    """Stores ``values`` at byte ``offsets`` from ``base`` where ``where`` (``vpscatterdd``)."""
+def _scatter_dwords(builder, base, where, index, values):
+    """Stores ``values`` at ``base + index * 4`` bytes where ``where`` (``vpscatterdd``)."""
     fnty = ir.FunctionType(ir.VoidType(), [_I8P, _VM, _VT, _VT, _I32])
     fn = cgutils.get_or_insert_function(
         builder.module, fnty, "llvm.x86.avx512.mask.scatter.dpi.512"
     )
-    builder.call(fn, [base, where, offsets, values, _I32(1)])
+    builder.call(fn, [base, where, index, values, _I32(4)])
 
 
 @intrinsic
 def gather(typingctx, arr, index):
-    """``arr[index]`` in each lane, zero-extended (a 1-D array of 16- or 32-bit integers)."""
+    """``arr[index]`` in each lane, zero-extended (a 1-D array of 16- or 32-bit integers).
+
+    A 16-bit element is read as the 32 bits at its place, and the upper half dropped:
+    its next element is read too, so a caller's index stays below the array's last
+    element (a padding element at the end, for one)."""
     if not (isinstance(arr, types.Array) and isinstance(index, _Lanes)):
         return None
     bits = arr.dtype.bitwidth
@@ -222,20 +226,8 @@ def gather(typingctx, arr, index):
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        if bits == 32:
-            offsets = builder.shl(args[1], _const(2))
-            return _gather_dwords(builder, builder.bitcast(data, _I8P), offsets)
-        # A 16-bit element: the aligned 32-bit word that holds it, so that no read
-        # crosses the array's last aligned word (nor, therefore, its page).
-        start = builder.ptrtoint(data, _I64)
-        aligned = builder.and_(start, _I64(~3))
-        lead = builder.trunc(builder.sub(start, aligned), _I32)
-        offsets = builder.add(builder.shl(args[1], _const(1)), _broadcast(builder, lead))
-        words = _gather_dwords(
-            builder, builder.inttoptr(aligned, _I8P), builder.and_(offsets, _const(~3))
-        )
-        shift = builder.shl(builder.and_(offsets, _const(2)), _const(3))
-        return builder.and_(builder.lshr(words, shift), _const(0xFFFF))
+        got = _gather_dwords(builder, builder.bitcast(data, _I8P), args[1], bits // 8)
+        return got if bits == 32 else builder.and_(got, _const(0xFFFF))
 
     return vec(arr, index), codegen
 
@@ -247,8 +239,7 @@ def scatter(typingctx, arr, index, value, where):
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         lanes = builder.icmp_unsigned("!=", args[3], _const(0))
-        offsets = builder.shl(args[1], _const(2))
-        _scatter_dwords(builder, builder.bitcast(data, _I8P), lanes, offsets, args[2])
+        _scatter_dwords(builder, builder.bitcast(data, _I8P), lanes, args[1], args[2])
         return context.get_dummy_value()
 
     return types.none(arr, index, value, where), codegen

@@ -29,7 +29,7 @@ def streams(profile, model, sed_text) -> dict[str, np.ndarray]:
     states, words, start = nested.encode(x, mean, fine, depth, lo, size, base, refine,
                                          profile.freqs)  # fmt: skip
     first = np.cumsum([0] + [len(w) for w in words])[:, None]
-    joined = np.concatenate([*words, np.zeros(1, np.uint16)])
+    joined = np.concatenate([*words, np.zeros(2, np.uint16)])  # as the codec pads them
     joined.setflags(write=False)
     return {
         "words": joined, "wbeg": start[:, :-1] + first[:-1], "wend": start[:, 1:] + first[:-1],
@@ -54,7 +54,7 @@ def decode(case: dict[str, np.ndarray], k: int, vector: bool, sliced: bool) -> n
     G, D = case["mean"].shape
     whole = np.full((G, TOKENS + 3, D), np.nan, dtype=np.float32)
     out = whole[:, 3:] if sliced else whole[:, :TOKENS]
-    assert nested_simd.usable(out, case["words"], case["lut"])
+    assert nested_simd.usable(out, case["words"], case["lut"], case["wbeg"], case["wend"])
     nested.decode(k, *(case[a] for a in ARRAYS), out, vector)
     return out
 
@@ -93,13 +93,17 @@ def test_vector_decoder_refuses_what_the_scalar_one_refuses(streams, how: str) -
 
 
 def test_shapes_the_vector_decoder_does_not_take_use_the_scalar_one(streams) -> None:
-    """Rows of 20 lanes (not whole vectors) and a last axis with a stride are refused by
-    the vector decoder; ``decode`` then decodes them group by group, the same values."""
+    """Rows of 20 lanes (not whole vectors), a last axis with a stride and words with
+    none after the last stream are refused by the vector decoder; ``decode`` then
+    decodes them group by group, the same values."""
     case = groups_of(streams, np.arange(20))
-    assert not nested_simd.usable(np.empty((20, TOKENS, 20), np.float32), case["words"],
-                                  case["lut"])  # fmt: skip
+    bounds = case["words"], case["lut"], case["wbeg"], case["wend"]
+    assert not nested_simd.usable(np.empty((20, TOKENS, 20), np.float32), *bounds)
     strided = np.empty((20, TOKENS, 128), dtype=np.float32)[:, :, ::2]
-    assert not nested_simd.usable(strided, case["words"], case["lut"])
+    assert not nested_simd.usable(strided, *bounds)
+    last = int(case["wend"].max())  # a read takes two words: none after the last stream
+    assert not nested_simd.usable(np.empty((20, TOKENS, 64), np.float32),
+                                  case["words"][:last], *bounds[1:])  # fmt: skip
     want = decode(case, 3, False, sliced=False)
     nested.decode(3, *(case[a] for a in ARRAYS), strided)
     assert np.array_equal(strided.view(np.uint32), want.view(np.uint32))

@@ -219,7 +219,9 @@ def _streams(
     if np.any(lengths != body + 2 * (nk + nv)):
         bad = ids[int(np.flatnonzero(lengths != body + 2 * (nk + nv))[0])]
         raise FormatError(f"{name}: section {bad}'s length is not what its counts say")
-    words = np.frombuffer(b"".join([*raws, b"\0\0"]), dtype="<u2")  # every length is even
+    # every length is even; two padding words, so that a read clamped to an empty
+    # stream at the end, and the vector decoder's two-word reads, stay inside
+    words = np.frombuffer(b"".join([*raws, bytes(4)]), dtype="<u2")
     first = np.zeros(len(raws), dtype=np.int64)  # each section's first word
     np.cumsum(lengths[:-1] // 2, out=first[1:])
     # the part's groups in order (layer, K/V, head), and each one's section in a tier
