@@ -1,10 +1,11 @@
 """What one ``load_context`` costs: seconds per stage and peak memory, fresh and warm.
 
-    python bench/load.py [--doc FILE] [--quality auto] [--repeats 5] [--json OUT]
+    python bench/load.py [--doc FILE] [--quality auto] [--levels L] [--repeats 5] [--json OUT]
     python bench/load.py --blend FILE FILE... [--repeats 5]   # load_contexts (CacheBlend)
 
-Publishes the document (the bundled sed manual by default) to a local folder,
-then in a fresh Python process: loads the model, loads the document's KV once
+Publishes the document (the bundled sed manual by default) to a local folder (at
+``kvcdn publish``'s default levels, or ``--levels``: ``nested`` for the progressive
+ladder), then in a fresh Python process: loads the model, loads the document's KV once
 (the first load in a process: the device is measured, codecs warm up) and
 ``--repeats`` more times (warm), and answers one question. Reports the plan's
 seconds per stage (median of the warm loads) and the process's peak resident
@@ -113,10 +114,10 @@ def _child(*argv: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _publish(doc: Path, name: str, store: str) -> None:
+def _publish(doc: Path, name: str, store: str, levels: str | None = None) -> None:
     subprocess.run(
         [sys.executable, "-m", "kvcdn.cli.main", "publish", str(doc), "--name", name,
-         "--store", store, "--json"],
+         "--store", store, "--json", *(["--levels", levels] if levels else [])],
         check=True, capture_output=True,
     )  # fmt: skip
 
@@ -152,6 +153,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--doc", type=Path, default=REPO / "cli" / "data" / "sed-manual.txt")
     parser.add_argument("--quality", default="auto", help="auto (best level), a level, or text")
+    parser.add_argument("--levels", help="the levels to publish (kvcdn publish --levels)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--blend", type=Path, nargs="+", metavar="FILE",
                         help="load_contexts of these documents instead")  # fmt: skip
@@ -163,7 +165,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvcdn-bench-load-") as tmp:
         store = str(Path(tmp) / "store")
         name = "bench-doc"
-        _publish(args.doc, name, store)
+        _publish(args.doc, name, store, args.levels)
         result = _child(_CHILD, store, name, args.quality, str(args.repeats), QUESTION)
     first, warm = result["runs"][0], result["runs"][1:]
     stages = sorted({k for r in result["runs"] for k in r["seconds"]})
@@ -178,7 +180,8 @@ def main() -> int:
     rows.append(("wall (load_context)", f"{first['wall_s']:.3f}", f"{warm_wall:.3f}"))
     rows.append(("full prefill (baseline)", "", f"{result['prefill_s']:.3f}"))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
-    print(f"{args.doc.name}: {result['tokens']:,} tokens, quality {args.quality}, "
+    print(f"{args.doc.name}: {result['tokens']:,} tokens, levels {args.levels or 'default'}, "
+          f"quality {args.quality}, "
           f"{first['bytes']:,} bytes fetched per load")  # fmt: skip
     for row in rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
@@ -187,7 +190,8 @@ def main() -> int:
           f"{result['peak_after_loads_mb']:.0f} MB after {1 + args.repeats} loads; "
           f"warm load {result['prefill_s'] / warm_wall:.1f}x faster than a prefill")  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"doc": args.doc.name, "quality": args.quality, "machine": platform.machine(),
+    report = {"doc": args.doc.name, "levels": args.levels, "quality": args.quality,
+              "machine": platform.machine(),
               "python": platform.python_version(), **result}  # fmt: skip
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
