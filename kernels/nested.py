@@ -331,10 +331,10 @@ def decode(
     if not len(words) or np.any(wbeg > wend) or np.any(wend > len(words)) or np.any(wbeg < 0):
         raise ValueError("stream bounds outside the words")
     status = np.zeros(G, dtype=np.int64)
+    wbeg = np.ascontiguousarray(wbeg, dtype=np.int64)
+    wend = np.ascontiguousarray(wend, dtype=np.int64)
     args = (
-        k, words, np.ascontiguousarray(wbeg, dtype=np.int64),
-        np.ascontiguousarray(wend, dtype=np.int64),
-        np.ascontiguousarray(states, dtype=np.uint32), lut.reshape(-1),
+        k, words, wbeg, wend, np.ascontiguousarray(states, dtype=np.uint32), lut.reshape(-1),
         np.ascontiguousarray(cum, dtype=np.uint32),
         np.ascontiguousarray(mean, dtype=np.float32), np.ascontiguousarray(fine, dtype=np.float32),
     )  # fmt: skip
@@ -343,7 +343,7 @@ def decode(
         np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(base_tid, dtype=np.int64),
         np.ascontiguousarray(refine_tid, dtype=np.int64),
     )  # fmt: skip
-    if vector and nested_simd.usable(out, words, lut, args[2], args[3]):
+    if vector and nested_simd.usable(out, words, lut, wbeg, wend):
         nested_simd.decode(*args, depth, *tables, out, status)
     else:
         parallel.run(_decode, G, *args, np.ascontiguousarray(depth[-1]), depth, *tables, out,

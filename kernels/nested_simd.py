@@ -34,7 +34,7 @@ from numba import njit
 from . import parallel
 from .nested import STATES, _pow3
 from .rans import PROB_BITS, RANS_L
-from .simd import W, broadcast, gather, load, minimum, put_values, scatter, select, sra, store
+from .simd import W, gather, load, minimum, put_values, scatter, select, sra, store
 
 _MASK = (1 << PROB_BITS) - 1
 _SLOTS = 1 << PROB_BITS
@@ -98,7 +98,7 @@ def _refine_step(x, p, last, at, coded, cuts, words, n):  # pragma: no cover - j
     take = v < RANS_L
     w = gather(words, minimum(p, last))
     step = above_first + above_second - 1  # counted from the mean's side
-    scatter(n, where, parent * 3 + step * (sign | 1), broadcast(1))
+    scatter(n, where, parent * 3 + step * (sign | 1))
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 

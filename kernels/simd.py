@@ -147,18 +147,6 @@ minimum = _lanewise(None, lambda b, x, y: b.select(b.icmp_unsigned("<", x, y), x
 
 
 @intrinsic
-def broadcast(typingctx, value):
-    """An integer in every lane."""
-    if not isinstance(value, (types.Integer, types.IntegerLiteral)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _operand(context, builder, sig.args[0], args[0])
-
-    return vec(value), codegen
-
-
-@intrinsic
 def select(typingctx, flag, a, b):
     """``a`` in the lanes where ``flag`` is not 0, else ``b``."""
     if not (isinstance(flag, _Lanes) and _is_operand(a) and _is_operand(b)):
@@ -203,13 +191,13 @@ def _gather_dwords(builder, base, index, scale):
     return builder.call(fn, [ir.Constant(_VT, ir.Undefined), base, index, _ALL, _I32(scale)])
 
 
-def _scatter_dwords(builder, base, where, index, values):
-    """Stores ``values`` at ``base + index * 4`` bytes where ``where`` (``vpscatterdd``)."""
+def _scatter_dwords(builder, base, index, values):
+    """Stores ``values`` at ``base + index * 4`` bytes (``vpscatterdd``)."""
     fnty = ir.FunctionType(ir.VoidType(), [_I8P, _VM, _VT, _VT, _I32])
     fn = cgutils.get_or_insert_function(
         builder.module, fnty, "llvm.x86.avx512.mask.scatter.dpi.512"
     )
-    builder.call(fn, [base, where, index, values, _I32(4)])
+    builder.call(fn, [base, _ALL, index, values, _I32(4)])
 
 
 @intrinsic
@@ -234,16 +222,16 @@ def gather(typingctx, arr, index):
 
 
 @intrinsic
-def scatter(typingctx, arr, index, value, where):
-    """``arr[index] = value`` in the lanes where ``where`` is not 0 (32-bit elements)."""
+def scatter(typingctx, arr, index, value):
+    """``arr[index] = value`` in every lane (32-bit elements; where two lanes name one
+    element, the higher lane's value stays)."""
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        lanes = builder.icmp_unsigned("!=", args[3], _const(0))
-        _scatter_dwords(builder, builder.bitcast(data, _I8P), lanes, args[1], args[2])
+        _scatter_dwords(builder, builder.bitcast(data, _I8P), args[1], args[2])
         return context.get_dummy_value()
 
-    return types.none(arr, index, value, where), codegen
+    return types.none(arr, index, value), codegen
 
 
 @intrinsic
