@@ -33,7 +33,15 @@ from .context import LoadPlan
 from .devspeed import DeviceSpeeds, assumed_speed
 from .edges import EdgeStore
 from .planner import Policy, ThroughputPredictor
-from .streaming import AppLoad, ChunkReport, EngineLoad, LoadOptions, Pipeline, PipelineResult
+from .streaming import (
+    AppLoad,
+    ChunkReport,
+    EngineLoad,
+    LayerGroups,
+    LoadOptions,
+    Pipeline,
+    PipelineResult,
+)
 from .targets import KVTarget
 
 log = logging.getLogger(__name__)
@@ -420,7 +428,7 @@ def _report(
 
 
 def load_prefix_into(
-    target: KVTarget,
+    target: KVTarget | LayerGroups,
     manifest: Manifest,
     reader: Reader,
     *,
@@ -445,6 +453,8 @@ def load_prefix_into(
     ``quality="auto"`` and a deadline, each chunk's level is planned to arrive
     in time, from the link's throughput as measured while it loads. ``indexes``: the
     engine's checked indexes of objects it reads in part (:class:`IndexCache`).
+    ``target`` may be :class:`LayerGroups`: a layer-ordered load, one pipeline over
+    its groups' chunks, which reports each group as it ends.
     """
     if manifest.model_fingerprint != fingerprint:  # the caller's full check covers the rest
         raise FingerprintMismatch(f"{manifest.ref} holds KV of model {manifest.model_name}, "

@@ -16,6 +16,10 @@ When a fetch in flight can no longer make the deadline and dropping it gives
 a faster plan, it is cancelled and its chunk planned again (a lower level or
 ``text``).
 
+An engine's layer-ordered load (:class:`LayerGroups`) is one pipeline over (group of
+layers, chunk) items, group by group: its "chunks" below are those items, and a
+chunk given up is given up in every group.
+
 An object that cannot be had (missing, as after a gc, damaged, from a store
 or an edge that failed, or not in by the deadline) is treated like a late
 one: its level is dropped for that chunk, which is planned again (another
@@ -31,12 +35,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
 from kvcdn.codec import IndexCache, PartRead, decode_into, read_more, read_part
 from kvcdn.codecs import TensorDest
+from kvcdn.container import Part
 from kvcdn.errors import DeadlineExceeded, FormatError, KvcdnError, NotFound, TrustError
 from kvcdn.manifest import ChunkEntry, Manifest, ObjectRef
 from kvcdn.models import LoadedModel
@@ -127,7 +132,12 @@ class _State(Enum):
 
 @dataclass
 class _Chunk:
+    """One item of the pipeline: a chunk, or in a layer-ordered load one group of a
+    chunk's layers."""
+
     entry: ChunkEntry
+    key: int = 0  # its place in the pipeline's items (the planner's name for it)
+    group: int = 0  # its group of layers (:class:`LayerGroups`), else 0
     state: _State = _State.PENDING
     planned: Option | None = None
     option: Option | None = None  # what is being (or was) fetched or recomputed
@@ -295,6 +305,31 @@ class LoadOptions:
 
 
 @dataclass(frozen=True)
+class LayerGroups:
+    """A target's layers in groups, loaded in that order (layer-ordered delivery):
+    one pipeline over (group, chunk) items, group by group, so that the first groups
+    are in while later ones are read. ``loaded(g)`` is called once groups ``0..g``
+    hold every chunk they will (loaded, or given up with the chunks after it)."""
+
+    targets: tuple[KVTarget, ...]
+    loaded: Callable[[int], None]
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError("a layer-ordered load needs at least one group of layers")
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Where one group of items is decoded: its target, the part of each chunk's KV
+    the target holds (None: all of it), and that part's share of the KV."""
+
+    target: KVTarget
+    part: Part | None
+    share: float
+
+
+@dataclass(frozen=True)
 class AppLoad:
     """An app's load: every chunk ends in the target. A level that fails for a chunk is
     dropped and the chunk planned again (another level, or recomputed by ``loaded``)."""
@@ -336,12 +371,13 @@ class EngineLoad:
 
 
 class Pipeline:
-    """Loads ``manifest``'s chunks into ``target`` by ``policy``, as ``mode`` says."""
+    """Loads ``manifest``'s chunks into ``target`` by ``policy``, as ``mode`` says;
+    into each group of a :class:`LayerGroups` in turn (an engine's load only)."""
 
     def __init__(
         self,
         manifest: Manifest,
-        target: KVTarget,
+        target: KVTarget | LayerGroups,
         reader: Reader,
         profile: CodecProfile | None,
         speed: DeviceSpeed,
@@ -353,17 +389,12 @@ class Pipeline:
         self.manifest = manifest
         self.mode = mode
         self.options = options
-        self.target = target
-        # the layers and heads the target holds, when not all: read in part where the
-        # objects have sections (version 2), else whole
-        layout = manifest.kv_layout
-        part = target.part
-        self.part = None if part is None or part.is_whole(
-            (layout["layers"], 2, layout["kv_heads"])) else part  # fmt: skip
-        #: The part's share of each chunk's KV (what its fetches and decodes cost).
-        self.share = 1.0 if self.part is None else (
-            self.part.layer_count * self.part.head_count
-            / (layout["layers"] * layout["kv_heads"]))  # fmt: skip
+        self.layer_groups = target if isinstance(target, LayerGroups) else None
+        if self.layer_groups is not None and not mode.partial:
+            raise ValueError("only an engine's load runs in groups of layers")
+        targets = (target,) if self.layer_groups is None else self.layer_groups.targets
+        self.groups = [_group(manifest, t) for t in targets]
+        self._settled = 0  # groups whose items have all ended (told to ``layer_groups``)
         self.reader = reader
         self.placement = manifest.chain_hash  # a document's objects are served together
         self.profile = profile
@@ -372,7 +403,11 @@ class Pipeline:
         self.policy = policy
         self.cancel_late_fetches = options.cancel_late_fetches and options.deadline_at is not None
         first, end = mode.chunk_range(len(manifest.chunks))
-        self.chunks = [_Chunk(c) for c in manifest.chunks[first:end]]
+        entries = manifest.chunks[first:end]
+        self.per_group = len(entries)
+        # group by group, each in document order: fetches start in this order
+        self.chunks = [_Chunk(e, key=g * len(entries) + i, group=g)
+                       for g in range(len(self.groups)) for i, e in enumerate(entries)]  # fmt: skip
         for level, why in options.failed_levels.items():
             for c in self.chunks:
                 c.unusable.add(level)
@@ -386,6 +421,9 @@ class Pipeline:
         self.replans = 0
         # an event since the last plan may have changed it: planned again before use
         self._stale = False
+        # Without a deadline the plan is each chunk's best level, whatever the time and
+        # the link: only a level dropped for a chunk changes it, not a chunk's progress.
+        self._timed = options.deadline_at is not None
         self.cancelled = 0
         self.refined = 0
         self.refinements_dropped = 0
@@ -407,11 +445,12 @@ class Pipeline:
                 continue
             decode_s = self.speed.decode_seconds(self.manifest.levels[name].id, tokens)
             nbytes = ref.level_bytes  # of a nested level, the index and its tiers only
-            if self.part is not None:  # the part's share of the decode, and of the bytes
-                decode_s *= self.share
+            group = self.groups[chunk.group]
+            if group.part is not None:  # the part's share of the decode, and of the bytes
+                decode_s *= group.share
                 if ref.index is not None:
                     index = 0 if self._index_held(ref) else ref.index.bytes
-                    nbytes = index + round((nbytes - ref.index.bytes) * self.share)
+                    nbytes = index + round((nbytes - ref.index.bytes) * group.share)
             options.append(
                 Option(name, nbytes, self.options.quality_of[name],
                        decode_s * self.decode_factor)  # fmt: skip
@@ -419,7 +458,7 @@ class Pipeline:
         if self.mode.allow_text or not options:
             recompute_s = self.speed.recompute_seconds(tokens, entry.start)
             options.append(Option(TEXT, 0, 1.0, recompute_s * self.recompute_factor))
-        return ChunkChoice(entry.index, tokens, tuple(options))
+        return ChunkChoice(chunk.key, tokens, tuple(options))
 
     def _busy(self, now: float, without: _Chunk | None = None) -> Busy:
         link_bytes = 0
@@ -428,7 +467,7 @@ class Pipeline:
             started, predicted = self._device_task
             device_s += max(0.0, predicted - (now - started))
         first_pending = next(
-            (c.entry.index for c in self.chunks if c.state is _State.PENDING or c is without),
+            (c.key for c in self.chunks if c.state is _State.PENDING or c is without),
             len(self.chunks),
         )
         fetching_before = False
@@ -440,13 +479,13 @@ class Pipeline:
                 assert c.option is not None
                 link_bytes += max(0, c.option.bytes - c.received)
                 device_s += c.option.device_s
-                fetching_before |= c.entry.index < first_pending
+                fetching_before |= c.key < first_pending
             elif c.state is _State.FETCHED:
                 assert c.option is not None
                 device_s += c.option.device_s
-                waiting_before |= c.entry.index < first_pending
+                waiting_before |= c.key < first_pending
             elif c.state is _State.DEVICE:
-                waiting_before |= c.entry.index < first_pending
+                waiting_before |= c.key < first_pending
         text_ready = 0.0
         if fetching_before:
             text_ready = self.predictor.predict_seconds(link_bytes)
@@ -463,7 +502,7 @@ class Pipeline:
         choices = [self._choice(c) for c in pending]
         result = self.policy(choices, self.predictor, self._remaining_s(now), self._busy(now))
         for c in pending:
-            c.planned = result.choices[c.entry.index]
+            c.planned = result.choices[c.key]
         self.replans += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -473,7 +512,7 @@ class Pipeline:
                 self.predictor.predict_seconds(1_000_000),
                 result.predicted_s,
                 "feasible" if result.feasible else "best effort",
-                " ".join(result.choices[c.entry.index].level for c in pending),
+                " ".join(result.choices[c.key].level for c in pending),
             )
         return result
 
@@ -501,6 +540,7 @@ class Pipeline:
             # that only reads (a read blocked on a hung store must not hold the process
             # at exit); the device's work, which writes into the target, is.
             device.shutdown(wait=True, cancel_futures=True)
+        self._settle_groups()
         reports = []
         for c in self.chunks:
             if c.state is _State.SKIPPED:
@@ -528,9 +568,12 @@ class Pipeline:
                     recompute_reason=(c.why or "planned") if c.option.level == TEXT else "",
                 )
             )
-        loaded = next(
-            (i for i, c in enumerate(self.chunks) if c.state is not _State.DONE), len(self.chunks)
-        )
+        n = self.per_group
+        loaded = next((i for i in range(n) if any(
+            self.chunks[g * n + i].state is not _State.DONE for g in range(len(self.groups))
+        )), n)  # fmt: skip
+        if len(self.groups) > 1:  # a chunk's report covers all its groups
+            reports = [_merged(reports[i::n]) for i in range(n)]
         return PipelineResult(reports, first.predicted_s, first.feasible, self.replans,
                               self.cancelled, loaded, self.refined,
                               self.refinements_dropped)  # fmt: skip
@@ -540,16 +583,18 @@ class Pipeline:
         last_cancel = 0.0
         while self.refine or any(c.state not in (_State.DONE, _State.SKIPPED)
                                  for c in self.chunks):  # fmt: skip
+            self._settle_groups()
             now = time.perf_counter()
             give_up_at = self.mode.give_up_at
             if give_up_at is not None and now > give_up_at:
                 late = [c for c in self.chunks if c.state not in (_State.DONE, _State.DEVICE,
                                                                   _State.SKIPPED)]  # fmt: skip
                 if late:  # a chunk being written is let finish
+                    first_late = min(c.entry.index for c in late)
                     log.info("chunks %d..%d of %s: not loaded by the give-up time; left to "
-                             "the engine", late[0].entry.index, self.chunks[-1].entry.index,
+                             "the engine", first_late, self.chunks[-1].entry.index,
                              self.manifest.ref)  # fmt: skip
-                    self._skip_from(late[0].entry.index)
+                    self._skip_from(first_late)
                     continue
             # launch fetches, in document order
             fetching = sum(1 for c in self.chunks if c.state is _State.FETCHING)
@@ -619,7 +664,7 @@ class Pipeline:
                 else:
                     chunk.state = _State.FETCHED
                     self.meter.tick(now, any(c.state is _State.FETCHING for c in self.chunks))
-                self._stale = True
+                self._stale |= self._timed
             else:
                 device_busy = False
                 self._learn_device(chunk, event.seconds)
@@ -629,12 +674,15 @@ class Pipeline:
                 chunk.data = b""
                 chunk.ready_s = now - self._t0
                 self._device_task = None
-                self._stale = True
+                self._stale |= self._timed
 
     def _skip_from(self, index: int, failed: _Chunk | None = None) -> None:
-        """Give up chunk ``index`` and every later one, but those being written
-        (their decode ends, and is not counted): ``failed`` is the one that failed."""
-        for c in self.chunks[index:]:
+        """Give up chunk ``index`` and every later one, in every group of layers, but
+        those being written (their decode ends, and is not counted): ``failed`` is the
+        one that failed."""
+        for c in self.chunks:
+            if c.entry.index < index:
+                continue
             if c.state is _State.DEVICE and c is not failed:
                 continue
             c.cancel.set()
@@ -643,6 +691,19 @@ class Pipeline:
             c.data = b""
             if c is not failed:
                 c.why = "after_failure" if failed is not None else "late"
+
+    def _settle_groups(self) -> None:
+        """Tell the layer groups' owner of each group, in order, whose items have all
+        ended (a later group's may end first: it waits for the ones before it)."""
+        if self.layer_groups is None:
+            return
+        n = self.per_group
+        while self._settled < len(self.groups) and all(
+            c.state in (_State.DONE, _State.SKIPPED)
+            for c in self.chunks[self._settled * n : (self._settled + 1) * n]
+        ):
+            self.layer_groups.loaded(self._settled)
+            self._settled += 1
 
     def _drop_level(self, c: _Chunk, error: BaseException) -> None:
         """A level of ``c`` failed (its fetch, its check or its decode): plan the chunk
@@ -670,6 +731,7 @@ class Pipeline:
         c.attempt += 1
         c.start_s = now - self._t0
         ref = c.entry.objects[c.option.level]
+        part = self.groups[c.group].part
         fetch_deadline = self.options.fetch_deadline
         if fetch_deadline is not None:  # the same instant, on the readers' clock
             c.cancel.limit(time.monotonic() + fetch_deadline - time.perf_counter())
@@ -683,8 +745,8 @@ class Pipeline:
         def work() -> None:
             try:
                 options = {"placement": self.placement, "on_bytes": on_bytes, "cancel": cancel}
-                if (self.part is not None and ref.index is not None) or ref.tiers is not None:
-                    read = read_part(self.reader, ref, self.part, name=f"object {ref.key}",
+                if (part is not None and ref.index is not None) or ref.tiers is not None:
+                    read = read_part(self.reader, ref, part, name=f"object {ref.key}",
                                      indexes=self.mode.indexes, **options)  # fmt: skip
                     data, source = read, read.source
                 else:
@@ -765,20 +827,22 @@ class Pipeline:
         assert c.option is not None
         ref = c.entry.objects[c.option.level]
         # its bytes were checked against the manifest's sha256 when they arrived
-        part = c.data.part if isinstance(c.data, PartRead) else self.part
-        decode_into(c.data, self.target.chunk(c.entry.start, c.entry.end),
+        group = self.groups[c.group]
+        part = c.data.part if isinstance(c.data, PartRead) else group.part
+        decode_into(c.data, group.target.chunk(c.entry.start, c.entry.end),
                     name=f"object {ref.key}", profile=self.profile, verified=True,
                     chunk_hash=c.entry.hash, part=part)  # fmt: skip
-        self.target.commit(c.entry.start, c.entry.end)
+        group.target.commit(c.entry.start, c.entry.end)
 
     def _recompute(self, c: _Chunk) -> None:
         start, end = c.entry.start, c.entry.end
         loaded = self.mode.loaded
         if loaded is None:
             raise FormatError(f"chunk {c.entry.index} has no stored level to load")
-        kv = loaded.extend(self.target.prefix(start), c.entry.tokens)
-        self.target.chunk(start, end).write(kv)
-        self.target.commit(start, end)
+        target = self.groups[c.group].target  # an app's load: the one group
+        kv = loaded.extend(target.prefix(start), c.entry.tokens)
+        target.chunk(start, end).write(kv)
+        target.commit(start, end)
 
     def _learn_device(self, c: _Chunk, seconds: float) -> None:
         """Correct the measured device speed by what this load sees (contention, clocks)."""
@@ -810,12 +874,12 @@ class Pipeline:
         )
         for c in in_flight:
             assert c.option is not None
-            again = sorted([*pending, c], key=lambda x: x.entry.index)
+            again = sorted([*pending, c], key=lambda x: x.key)
             drop = self.policy(
                 [self._choice(x) for x in again], self.predictor, remaining, self._busy(now, c)
             )
             if drop.predicted_s < keep.predicted_s * CANCEL_GAIN and (
-                drop.choices[c.entry.index].level != c.option.level
+                drop.choices[c.key].level != c.option.level
             ):
                 log.info(
                     "chunk %d: cancelling its %s fetch (%d of %d bytes in): it cannot make the "
@@ -824,7 +888,7 @@ class Pipeline:
                     c.option.level,
                     c.received,
                     c.option.bytes,
-                    drop.choices[c.entry.index].level,
+                    drop.choices[c.key].level,
                 )
                 c.abandoned.append(c.option.level)
                 c.cancel.set()
@@ -858,8 +922,7 @@ class Pipeline:
             remaining = min(remaining, give_up_at - now)
         chosen = next_refinement(self._refinements(), self.predictor, remaining, self._busy(now))
         if chosen is not None:
-            self._start_refine(self.chunks[chosen.index - self.chunks[0].entry.index], chosen,
-                               now)  # fmt: skip
+            self._start_refine(self.chunks[chosen.index], chosen, now)
 
     def _refinements(self) -> list[Refinement]:
         """Every level a loaded chunk of a nested object could be raised to: its object's
@@ -877,11 +940,12 @@ class Pipeline:
                 if (ref is None or name in c.unusable or ref.key != have.key or ref.tiers is None
                         or ref.tiers.count <= have.tiers.count or quality <= c.option.quality):
                     continue  # fmt: skip
-                extra = round((ref.level_bytes - have.level_bytes) * self.share)
+                share = self.groups[c.group].share
+                extra = round((ref.level_bytes - have.level_bytes) * share)
                 decode_s = (self.speed.decode_seconds(self.manifest.levels[name].id, tokens)
-                            * self.share * self.decode_factor)  # fmt: skip
+                            * share * self.decode_factor)  # fmt: skip
                 to = Option(name, c.option.bytes + extra, quality, decode_s)
-                out.append(Refinement(c.entry.index, to, extra, decode_s,
+                out.append(Refinement(c.key, to, extra, decode_s,
                                       (quality - c.option.quality) * tokens))  # fmt: skip
         return out
 
@@ -927,8 +991,9 @@ class Pipeline:
             staged = torch.empty(read.part.shape(read.header.shape), dtype=torch.float32)
             decode_into(read, TensorDest(staged), name=f"object {ref.key}", profile=self.profile,
                         verified=True, chunk_hash=c.entry.hash, part=read.part)  # fmt: skip
-            self.target.chunk(c.entry.start, c.entry.end).write(staged)
-            self.target.commit(c.entry.start, c.entry.end)
+            target = self.groups[c.group].target
+            target.chunk(c.entry.start, c.entry.end).write(staged)
+            target.commit(c.entry.start, c.entry.end)
             if self.mode.device.startswith("cuda"):
                 torch.cuda.synchronize(torch.device(self.mode.device))
         except BaseException as exc:
@@ -969,3 +1034,32 @@ class Pipeline:
             c.refine_cancel.set()
         c.refining, c.refine_read, c.refine_stage, self._refining = None, None, "", None
         self.refinements_dropped += 1
+
+
+def _group(manifest: Manifest, target: KVTarget) -> _Group:
+    """``target``'s group: the layers and heads it holds, when not all, are read in part
+    where the objects have sections (version 2), else whole."""
+    layout = manifest.kv_layout
+    part = target.part
+    if part is None or part.is_whole((layout["layers"], 2, layout["kv_heads"])):
+        return _Group(target, None, 1.0)
+    share = part.layer_count * part.head_count / (layout["layers"] * layout["kv_heads"])
+    return _Group(target, part, share)
+
+
+def _merged(groups: list[ChunkReport]) -> ChunkReport:
+    """One chunk's report from its groups' (a layer-ordered load): given up if any group
+    gave it up (why: the group that failed, not those given up with it); else at its
+    worst group's level, with every group's bytes."""
+    skipped = [r for r in groups if r.level == SKIPPED]
+    if skipped:
+        return min(skipped, key=lambda r: r.recompute_reason == "after_failure")
+    worst = min(groups, key=lambda r: r.quality)
+    return replace(
+        worst,
+        bytes=sum(r.bytes for r in groups),
+        start_s=min(r.start_s for r in groups),
+        ready_s=max(r.ready_s for r in groups),
+        abandoned=[a for r in groups for a in r.abandoned],
+        failed=[f for r in groups for f in r.failed],
+    )

@@ -208,3 +208,157 @@ def test_a_target_holding_part_of_the_heads_loads_only_that_part(store, referenc
 
     whole = kv_from_cache(reference.cache)
     assert torch.equal(target.kv, whole[:, :, 1:2, : manifest.token_count].float())
+
+
+class _LayersTarget:
+    """An engine's target holding layers ``[first, end)`` of every head, in float32."""
+
+    def __init__(self, manifest, first: int, end: int) -> None:
+        from kvcdn.container import Part
+
+        self.part = Part((first, end), (0, 3))
+        self.tokens = manifest.token_count
+        self.kv = torch.zeros((end - first, 2, 3, manifest.token_count, 64))
+
+    def chunk(self, start, end):
+        from kvcdn.codecs import TensorDest
+
+        return TensorDest(self.kv[:, :, :, start:end])
+
+    def prefix(self, end):
+        raise AssertionError("an engine's load recomputes nothing")
+
+    def commit(self, start, end):
+        pass
+
+    def finish(self):
+        pass
+
+
+def _load_in_groups(root, model, bounds):
+    """A layer-ordered load of the sed manual at ``nearlossless`` into groups of layers
+    split at ``bounds``: the targets, the result, and what each ``loaded(g)`` call saw."""
+    from kvcdn.codec import IndexCache
+    from kvcdn.profile_store import ProfileCache
+    from kvcdn.sdk.loader import load_prefix_into
+    from kvcdn.sdk.planner import plan
+    from kvcdn.sdk.streaming import LayerGroups
+
+    manifest = read_manifest(open_store(str(root)), "sed-manual", None)
+    targets = [_LayersTarget(manifest, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    seen = []  # (group, a copy of every group's KV at that moment)
+
+    def loaded(g: int) -> None:
+        seen.append((g, [t.kv.clone() for t in targets]))
+
+    result = load_prefix_into(
+        LayerGroups(tuple(targets), loaded), manifest, open_store(str(root)),
+        chunks=(0, len(manifest.chunks)), quality="nearlossless", device="cpu",
+        predictor=HarmonicPredictor(), policy=plan, profiles=ProfileCache(),
+        fingerprint=model.fingerprint, indexes=IndexCache(),
+    )  # fmt: skip
+    return manifest, targets, result, seen
+
+
+def test_a_layer_ordered_load_is_one_pipeline_over_its_groups(store, reference, model):
+    """Groups of layers load in order, each reported once it holds every chunk: what
+    the forward pass may then read equals the whole load; each section and each index
+    is read once, and each chunk is reported once, whatever the number of groups."""
+    from kvcdn.models import kv_from_cache
+
+    bounds = [0, 7, 19, 30]
+    manifest, targets, result, seen = _load_in_groups(store, model, bounds)
+    whole = kv_from_cache(reference.cache)[:, :, :, : manifest.token_count].float()
+    assert [g for g, _ in seen] == [0, 1, 2]
+    for g, kvs in seen:  # when group g was reported, groups 0..g were complete
+        for h in range(g + 1):
+            assert torch.equal(kvs[h], whole[bounds[h] : bounds[h + 1]]), (g, h)
+    assert torch.equal(torch.cat([t.kv for t in targets]), whole)
+    assert result.loaded_chunks == len(manifest.chunks)
+    assert [r.index for r in result.chunks] == [c.index for c in manifest.chunks]
+    for chunk, report in zip(manifest.chunks, result.chunks, strict=True):
+        assert report.level == "nearlossless"
+        assert report.bytes == chunk.objects["nearlossless"].bytes  # sections + index, once
+
+
+BAD_CHUNK = 5
+BAD_SECTION = 2 * 30 + 25  # head 2 of layer 25 of a 30-layer, 3-head object
+
+
+@pytest.fixture(scope="module")
+def damaged_store(store, tmp_path_factory):
+    """A copy of the store whose chunk 5 ``nearlossless`` object has one bit flipped in
+    the section of head 2 of layer 25."""
+    import shutil
+
+    from kvcdn.container import parse_index
+
+    root = tmp_path_factory.mktemp("damaged") / "store"
+    shutil.copytree(store, root)
+    manifest = read_manifest(open_store(str(root)), "sed-manual", None)
+    path = root / manifest.chunks[BAD_CHUNK].objects["nearlossless"].key
+    data = bytearray(path.read_bytes())
+    index = parse_index(bytes(data))
+    data[index.offsets[BAD_SECTION] + index.lengths[BAD_SECTION] // 2] ^= 0x10
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    return root
+
+
+def test_a_damaged_section_in_a_later_group_ends_the_prefix_in_every_group(
+    damaged_store, reference, model
+):
+    """A chunk whose last group's section is damaged is left to the engine in every
+    group, with the chunks after it; every group is still reported (the forward pass
+    never waits for nothing), and no damaged byte reaches the target."""
+    from kvcdn.models import kv_from_cache
+
+    bounds = [0, 10, 20, 30]
+    manifest, targets, result, seen = _load_in_groups(damaged_store, model, bounds)
+    assert [g for g, _ in seen] == [0, 1, 2]
+    assert result.loaded_chunks == BAD_CHUNK
+    reports = result.chunks
+    assert len(reports) == len(manifest.chunks)
+    assert all(r.level == "nearlossless" for r in reports[:BAD_CHUNK])
+    assert reports[BAD_CHUNK].level == "skipped"
+    assert reports[BAD_CHUNK].recompute_reason == "corrupt"
+    assert all(r.level == "skipped" and r.recompute_reason == "after_failure"
+               for r in reports[BAD_CHUNK + 1 :])  # fmt: skip
+    bad = manifest.chunks[BAD_CHUNK]
+    whole = kv_from_cache(reference.cache)
+    kv = torch.cat([t.kv for t in targets])
+    assert torch.equal(kv[:, :, :, : bad.start], whole[:, :, :, : bad.start].float())
+    # the damaged section's layer and head never hold a byte of the damaged chunk
+    assert not kv[25, :, 2, bad.start : bad.end].any()
+
+
+def test_an_engine_load_from_a_later_chunk_ends_at_a_damaged_one(damaged_store, model):
+    """An engine's load of chunks [2, n) (vLLM holds the first two) that meets a damaged
+    chunk returns the chunks before it, without a deadline too: it once skipped by
+    place instead of by chunk, left the damaged chunk unended and never returned."""
+    import threading
+
+    from kvcdn.codec import IndexCache
+    from kvcdn.profile_store import ProfileCache
+    from kvcdn.sdk.loader import load_prefix_into
+    from kvcdn.sdk.planner import plan
+
+    manifest = read_manifest(open_store(str(damaged_store)), "sed-manual", None)
+    results = []
+
+    def load() -> None:
+        results.append(load_prefix_into(
+            _LayersTarget(manifest, 0, 30), manifest, open_store(str(damaged_store)),
+            chunks=(2, len(manifest.chunks)), quality="nearlossless", device="cpu",
+            predictor=HarmonicPredictor(), policy=plan, profiles=ProfileCache(),
+            fingerprint=model.fingerprint, indexes=IndexCache(),
+        ))  # fmt: skip
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert results, "the load did not return"
+    result = results[0]
+    assert result.loaded_chunks == BAD_CHUNK - 2
+    assert [r.index for r in result.chunks] == list(range(2, len(manifest.chunks)))
+    assert result.chunks[BAD_CHUNK - 2].recompute_reason == "corrupt"

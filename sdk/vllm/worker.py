@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -21,7 +20,7 @@ from kvcdn.profile_store import ProfileCache
 
 from ..loader import load_prefix_into
 from ..planner import HarmonicPredictor, plan
-from ..streaming import failure_kind
+from ..streaming import LayerGroups, failure_kind
 from .config import ConnectorSetup
 from .layout import PagedLayout, PagedTarget, write_capture
 from .metadata import KvcdnMetadata, KvcdnWorkerMeta, LoadSpec
@@ -88,7 +87,7 @@ class KvcdnWorker:
                                  name="kvcdn-layered-load", daemon=True).start()  # fmt: skip
             elif spec.sync:  # vLLM reads its failed blocks after this step's forward
                 with self._prefill.paused():
-                    self._failed_now |= self._load(spec, self._writer, spec.deadline_s)
+                    self._failed_now |= self._load(spec)
             elif self._writer is None:
                 self._finish(spec.req_id, spec.unfilled(spec.start, self.block_size))
             else:
@@ -97,7 +96,7 @@ class KvcdnWorker:
                 self._load_pool.submit(self._load_async, spec)
 
     def _load_async(self, spec: LoadSpec) -> None:
-        failed = self._load(spec, self._writer, spec.deadline_s)
+        failed = self._load(spec)
         with self._done_lock:
             self._in_flight -= 1
         self._finish(spec.req_id, failed)
@@ -119,25 +118,15 @@ class KvcdnWorker:
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
     def _load_layered(self, layered: _LayeredLoad) -> None:
-        """Each group of layers in turn, each within its share of the deadline: the
-        forward pass starts on the first layers while later ones are read."""
+        """One load over every group of layers, group by group: the forward pass starts
+        on the first layers while later ones are read."""
         spec = layered.spec
-        assert self._writer is not None
         started = time.perf_counter()
         try:
-            for g, (first, end) in enumerate(layered.groups):
-                deadline_s = None
-                if spec.deadline_s is not None:  # group g is due at its share of the time
-                    due = started + spec.deadline_s * (g + 1) / len(layered.groups)
-                    deadline_s = max(due - time.perf_counter(), 1e-3)
-                if spec.end > spec.start:
-                    failed = self._load(spec, self._writer.layers(first, end), deadline_s,
-                                        layered)  # fmt: skip
-                    layered.failed |= failed
-                    # what a group left out, vLLM computes for every layer: the later
-                    # groups stop where it stopped
-                    spec = replace(spec, end=spec.loaded_to(failed, self.block_size))
-                layered.advance(end)
+            if spec.end > spec.start:
+                # what a group leaves out (a chunk that failed, and those after it) is
+                # left out of every group: vLLM computes it for every layer
+                layered.failed |= self._load(spec, layered)
         except BaseException as exc:  # never leave the forward pass waiting
             log.error("kvcdn: layer-ordered load of request %s failed: %s", spec.req_id, exc)
             layered.failed |= spec.unfilled(spec.start, self.block_size)
@@ -177,20 +166,27 @@ class KvcdnWorker:
                 self._failed_now |= layered.spec.unfilled(layered.spec.start, self.block_size)
         self._layered = []
 
-    def _load(self, spec: LoadSpec, writer: PagedLayout | None, deadline_s: float | None,
-              layered: _LayeredLoad | None = None) -> set[int]:  # fmt: skip
-        """Load ``spec`` into ``writer``'s layers (the worker's, or a group of them, of
-        ``layered``) within ``deadline_s``; the ids of the blocks it did not fill."""
+    def _load(self, spec: LoadSpec, layered: _LayeredLoad | None = None) -> set[int]:
+        """Load ``spec`` into the worker's layers (in ``layered``'s groups, in order,
+        when given) within its deadline; the ids of the blocks it did not fill."""
         identity = self.setup.identity
+        writer = self._writer
         if writer is None or identity is None:
             return spec.unfilled(spec.start, self.block_size)
+        target: PagedTarget | LayerGroups = PagedTarget(writer, spec)
+        if layered is not None:
+            target = LayerGroups(
+                tuple(PagedTarget(writer.layers(first, end), spec)
+                      for first, end in layered.groups),
+                loaded=lambda g: layered.advance(layered.groups[g][1]),
+            )  # fmt: skip
         loaded_to = spec.start
         chunk = self.setup.config.chunk_tokens
         first_chunk, end_chunk = spec.start // chunk, -(-spec.end // chunk)
         started = time.perf_counter()
         try:
             result = load_prefix_into(
-                PagedTarget(writer, spec),
+                target,
                 spec.manifest,
                 self.setup.reader(spec.tenant),
                 chunks=(first_chunk, end_chunk),
@@ -200,7 +196,7 @@ class KvcdnWorker:
                 policy=plan,
                 profiles=self._profiles,
                 fingerprint=identity.fingerprint,
-                deadline_s=deadline_s,
+                deadline_s=spec.deadline_s,
                 indexes=self._indexes,
             )
             loaded_to = min(spec.end, (first_chunk + result.loaded_chunks) * chunk)
