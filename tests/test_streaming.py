@@ -159,12 +159,35 @@ def test_bad_quality_and_deadline_are_clear_errors(store, model):
         load_context("sed-manual", model=model, store=str(store), deadline_s=0)
 
 
+class _PartTarget:
+    """An engine's target holding ``part`` (layers and heads) of the document's KV, in
+    float32."""
+
+    def __init__(self, manifest, part) -> None:
+        self.part = part
+        self.tokens = manifest.token_count
+        self.kv = torch.zeros((part.layer_count, 2, part.head_count, manifest.token_count, 64))
+
+    def chunk(self, start, end):
+        from kvcdn.codecs import TensorDest
+
+        return TensorDest(self.kv[:, :, :, start:end])
+
+    def prefix(self, end):
+        raise AssertionError("an engine's load recomputes nothing")
+
+    def commit(self, start, end):
+        pass
+
+    def finish(self):
+        pass
+
+
 def test_a_target_holding_part_of_the_heads_loads_only_that_part(store, reference, model):
     """The engine's load path into a target that holds one of the three KV heads (as a
     tensor-parallel worker does): every chunk fetches its object's index and that
     head's sections only, reports those bytes, plans with the part's share of each
     object, and holds exactly that head of what a whole load gives."""
-    from kvcdn.codecs import TensorDest
     from kvcdn.container import Part, parse_index
     from kvcdn.profile_store import ProfileCache
     from kvcdn.sdk.loader import load_prefix_into
@@ -173,25 +196,7 @@ def test_a_target_holding_part_of_the_heads_loads_only_that_part(store, referenc
     manifest = read_manifest(open_store(str(store)), "sed-manual", None)
     part = Part((0, 30), (1, 2))
 
-    class HeadTarget:
-        def __init__(self) -> None:
-            self.part = part
-            self.tokens = manifest.token_count
-            self.kv = torch.empty((30, 2, 1, manifest.token_count, 64))
-
-        def chunk(self, start, end):
-            return TensorDest(self.kv[:, :, :, start:end])
-
-        def prefix(self, end):
-            raise AssertionError("an engine's load recomputes nothing")
-
-        def commit(self, start, end):
-            pass
-
-        def finish(self):
-            pass
-
-    target = HeadTarget()
+    target = _PartTarget(manifest, part)
     result = load_prefix_into(
         target, manifest, open_store(str(store)), chunks=(0, len(manifest.chunks)),
         quality="nearlossless", device="cpu", predictor=HarmonicPredictor(), policy=plan,
@@ -210,42 +215,19 @@ def test_a_target_holding_part_of_the_heads_loads_only_that_part(store, referenc
     assert torch.equal(target.kv, whole[:, :, 1:2, : manifest.token_count].float())
 
 
-class _LayersTarget:
-    """An engine's target holding layers ``[first, end)`` of every head, in float32."""
-
-    def __init__(self, manifest, first: int, end: int) -> None:
-        from kvcdn.container import Part
-
-        self.part = Part((first, end), (0, 3))
-        self.tokens = manifest.token_count
-        self.kv = torch.zeros((end - first, 2, 3, manifest.token_count, 64))
-
-    def chunk(self, start, end):
-        from kvcdn.codecs import TensorDest
-
-        return TensorDest(self.kv[:, :, :, start:end])
-
-    def prefix(self, end):
-        raise AssertionError("an engine's load recomputes nothing")
-
-    def commit(self, start, end):
-        pass
-
-    def finish(self):
-        pass
-
-
 def _load_in_groups(root, model, bounds):
     """A layer-ordered load of the sed manual at ``nearlossless`` into groups of layers
     split at ``bounds``: the targets, the result, and what each ``loaded(g)`` call saw."""
     from kvcdn.codec import IndexCache
+    from kvcdn.container import Part
     from kvcdn.profile_store import ProfileCache
     from kvcdn.sdk.loader import load_prefix_into
     from kvcdn.sdk.planner import plan
     from kvcdn.sdk.streaming import LayerGroups
 
     manifest = read_manifest(open_store(str(root)), "sed-manual", None)
-    targets = [_LayersTarget(manifest, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    targets = [_PartTarget(manifest, Part((a, b), (0, 3)))
+               for a, b in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
     seen = []  # (group, a copy of every group's KV at that moment)
 
     def loaded(g: int) -> None:
@@ -339,6 +321,7 @@ def test_an_engine_load_from_a_later_chunk_ends_at_a_damaged_one(damaged_store, 
     import threading
 
     from kvcdn.codec import IndexCache
+    from kvcdn.container import Part
     from kvcdn.profile_store import ProfileCache
     from kvcdn.sdk.loader import load_prefix_into
     from kvcdn.sdk.planner import plan
@@ -348,7 +331,8 @@ def test_an_engine_load_from_a_later_chunk_ends_at_a_damaged_one(damaged_store, 
 
     def load() -> None:
         results.append(load_prefix_into(
-            _LayersTarget(manifest, 0, 30), manifest, open_store(str(damaged_store)),
+            _PartTarget(manifest, Part((0, 30), (0, 3))), manifest,
+            open_store(str(damaged_store)),
             chunks=(2, len(manifest.chunks)), quality="nearlossless", device="cpu",
             predictor=HarmonicPredictor(), policy=plan, profiles=ProfileCache(),
             fingerprint=model.fingerprint, indexes=IndexCache(),
