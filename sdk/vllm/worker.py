@@ -173,8 +173,10 @@ class KvcdnWorker:
         writer = self._writer
         if writer is None or identity is None:
             return spec.unfilled(spec.start, self.block_size)
-        target: PagedTarget | LayerGroups = PagedTarget(writer, spec)
-        if layered is not None:
+        target: PagedTarget | LayerGroups
+        if layered is None:
+            target = PagedTarget(writer, spec)
+        else:
             target = LayerGroups(
                 tuple(PagedTarget(writer.layers(first, end), spec)
                       for first, end in layered.groups),
