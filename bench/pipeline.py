@@ -1,23 +1,24 @@
 """What a load's pipeline costs as its items grow: chunks, and groups of layers.
 
     python bench/pipeline.py [--tokens 4000] [--chunk-tokens 256,32] [--groups 1,4]
-                             [--deadline 30] [--repeats 5] [--json OUT]
+                             [--quality default] [--deadline 30] [--repeats 5] [--json OUT]
 
 A load's controller (``kvcdn.sdk.streaming.Pipeline``) runs one turn for every fetch
 and every decode of an item; an item is a chunk, or in a layer-ordered load
 (``LayerGroups``, what the vLLM connector runs with ``layer_groups`` > 1) one group of
 a chunk's layers. A 32K-token document is 128 chunks of 256 tokens, 512 items in 4
 groups; here the first ``--tokens`` of ``man bash`` published (embedded model,
-``default`` level, local folder) at each ``--chunk-tokens`` gives 16 and 125 chunks.
+``default`` and ``lowest``, local folder) at each ``--chunk-tokens`` gives 16 and 125 chunks.
 
-For each chunk size and each ``--groups``, the document is loaded into float32
+For each chunk size and each ``--groups``, the document is loaded at ``--quality``
+(``default``, or ``auto``: each chunk's level planned to meet the deadline) into float32
 tensors of the model's KV shape the way an engine's worker loads it
 (``load_prefix_into``), without a deadline and with ``--deadline`` seconds (the plan
 made again as items end): the first load, then the median of ``--repeats`` loads, of
-the wall time, the CPU time of the controller's own thread, and the process's CPU
-time (fetch threads, decodes and controller). Layer-ordered rows give their ratio to
-the whole load of the same chunks (``/ whole``). Every load must load every chunk.
-Prints a table, writes JSON.
+the wall time, the CPU time of the controller's own thread, the process's CPU time
+(fetch threads, decodes and controller), and the plans the load made. Layer-ordered
+rows give their ratio to the whole load of the same chunks (``/ whole``). Every load
+must load every chunk. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ class _Target:
         pass
 
 
-def _load(layout: Any, manifest: Any, store: Any, profiles: Any, groups: int,
-          deadline: float | None) -> tuple[float, float, float]:  # fmt: skip
+def _load(layout: Any, manifest: Any, store: Any, profiles: Any, groups: int, quality: str,
+          deadline: float | None) -> tuple[float, float, float, int]:  # fmt: skip
     """One load of every chunk in ``groups`` groups of layers: wall, the controller's
-    thread's CPU and the process's CPU seconds."""
+    thread's CPU and the process's CPU seconds, and the plans it made."""
     from kvcdn.codec import IndexCache
     from kvcdn.container import Part
     from kvcdn.sdk.loader import load_prefix_into
@@ -94,12 +95,12 @@ def _load(layout: Any, manifest: Any, store: Any, profiles: Any, groups: int,
     n = len(manifest.chunks)
     wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
     result = load_prefix_into(
-        target, manifest, store, chunks=(0, n), quality="default", device="cpu",
+        target, manifest, store, chunks=(0, n), quality=quality, device="cpu",
         predictor=HarmonicPredictor(), policy=plan, profiles=profiles,
         fingerprint=manifest.model_fingerprint, deadline_s=deadline, indexes=IndexCache(),
     )  # fmt: skip
     times = (time.perf_counter() - wall, time.thread_time() - thread,
-             time.process_time() - process)  # fmt: skip
+             time.process_time() - process, result.replans)  # fmt: skip
     if result.loaded_chunks != n:
         raise SystemExit(f"a load of {n} chunks loaded {result.loaded_chunks}")
     return times
@@ -110,6 +111,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=4000)
     parser.add_argument("--chunk-tokens", default="256,32")
     parser.add_argument("--groups", default="1,4")
+    parser.add_argument("--quality", default="default", help="a stored level, or auto")
     parser.add_argument("--deadline", type=float, default=30.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
@@ -137,7 +139,8 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for size in sizes:
         folder = work / f"store-{size}"
-        publish(text=text, name="doc", model=model, store=str(folder), levels="default",
+        publish(text=text, name="doc", model=model, store=str(folder),
+                levels="default,lowest",
                 chunk_tokens=size)  # fmt: skip
         store = open_store(str(folder), create=False)
         manifest = read_manifest(store, "doc")
@@ -145,18 +148,20 @@ def main() -> int:
         n = len(manifest.chunks)
         for deadline in (None, args.deadline):
             for g in groups:
-                first = _load(model.layout, manifest, store, profiles, g, deadline)
-                runs = [_load(model.layout, manifest, store, profiles, g, deadline)
-                        for _ in range(args.repeats)]  # fmt: skip
-                median = [statistics.median(r[i] for r in runs) for i in range(3)]
+                first = _load(model.layout, manifest, store, profiles, g, args.quality,
+                              deadline)  # fmt: skip
+                runs = [_load(model.layout, manifest, store, profiles, g, args.quality,
+                              deadline) for _ in range(args.repeats)]  # fmt: skip
+                median = [statistics.median(r[i] for r in runs) for i in range(4)]
                 rows.append({"chunk_tokens": size, "chunks": n, "groups": g, "items": n * g,
                              "deadline_s": deadline, "first_s": first[0], "wall_s": median[0],
-                             "controller_cpu_s": median[1],
-                             "process_cpu_s": median[2]})  # fmt: skip
+                             "controller_cpu_s": median[1], "process_cpu_s": median[2],
+                             "plans": median[3]})  # fmt: skip
 
-    table = Table(title=f"a load's pipeline: the first {args.tokens} tokens of man bash, default")
+    table = Table(title=f"a load's pipeline: the first {args.tokens} tokens of man bash, "
+                        f"{args.quality}")  # fmt: skip
     for col in ("chunks", "groups", "items", "deadline", "first s", "wall s", "wall / whole",
-                "controller CPU s", "process CPU s", "CPU / whole"):  # fmt: skip
+                "controller CPU s", "process CPU s", "CPU / whole", "plans"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         whole = next(w for w in rows if w["chunks"] == r["chunks"] and w["groups"] == 1
@@ -168,7 +173,7 @@ def main() -> int:
             "none" if r["deadline_s"] is None else f"{r['deadline_s']:g} s",
             f"{r['first_s']:.3f}", f"{r['wall_s']:.3f}", f"{r['wall_over_whole']:.2f}x",
             f"{r['controller_cpu_s']:.3f}", f"{r['process_cpu_s']:.3f}",
-            f"{r['process_cpu_over_whole']:.2f}x",
+            f"{r['process_cpu_over_whole']:.2f}x", f"{r['plans']:g}",
         )  # fmt: skip
     Console(width=130).print(table)
     out = {"setup": vars(args) | {"json": str(args.json) if args.json else None},

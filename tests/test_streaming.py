@@ -346,3 +346,59 @@ def test_an_engine_load_from_a_later_chunk_ends_at_a_damaged_one(damaged_store, 
     assert result.loaded_chunks == BAD_CHUNK - 2
     assert [r.index for r in result.chunks] == list(range(2, len(manifest.chunks)))
     assert result.chunks[BAD_CHUNK - 2].recompute_reason == "corrupt"
+
+
+def test_a_layer_ordered_load_past_its_deadline_keeps_the_prefix_that_arrived(
+    store, model, tmp_path
+):
+    """An engine's layer-ordered load through a link too slow for its deadline (2 MB/s
+    for ~9 MB at the lowest level, 2 s) loads chunk by chunk once its plan cannot make
+    the deadline: it keeps the chunks that arrived in every group, as a whole load
+    does. Group by group it had kept none: at the deadline the last group had barely
+    started. Each kept chunk equals a load of that chunk alone at its level."""
+    from kvcdn.codec import IndexCache
+    from kvcdn.container import Part
+    from kvcdn.profile_store import ProfileCache
+    from kvcdn.sdk.edges import EdgeStore
+    from kvcdn.sdk.loader import load_prefix_into
+    from kvcdn.sdk.planner import plan
+    from kvcdn.sdk.streaming import LayerGroups
+
+    edge = shaped_edge(store, tmp_path, [(0, 16), (1000, 16)])  # 2 MB/s
+    manifest = read_manifest(open_store(str(store)), "sed-manual", None)
+    bounds = [0, 10, 20, 30]
+    targets = [_PartTarget(manifest, Part((a, b), (0, 3)))
+               for a, b in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    reported = []
+    try:
+        status, body = post_json(f"{edge.url}/shaping", {"offset_s": 0})
+        assert status == 200 and body["trace_time_s"] < 0.5
+        result = load_prefix_into(
+            LayerGroups(tuple(targets), reported.append), manifest, EdgeStore([edge.url]),
+            chunks=(0, len(manifest.chunks)), quality="auto", device="cpu",
+            predictor=HarmonicPredictor(initial_bps=2e6), policy=plan,
+            profiles=ProfileCache(), fingerprint=model.fingerprint, deadline_s=2.0,
+            indexes=IndexCache(),
+        )  # fmt: skip
+    finally:
+        edge.kill(signal.SIGKILL)
+    assert reported == [0, 1, 2]  # the forward pass never waits for nothing
+    kept = result.loaded_chunks
+    assert 1 <= kept < len(manifest.chunks), [r.level for r in result.chunks]
+    rest = result.chunks[kept:]
+    assert all(r.level == "skipped" for r in rest)
+    # given up at the deadline (late), or after a fetch cut off by it (late, then the
+    # chunks after it)
+    assert rest[0].recompute_reason == "late"
+    assert {r.recompute_reason for r in rest} <= {"late", "after_failure"}
+    kv = torch.cat([t.kv for t in targets])
+    root = open_store(str(store))
+    for chunk, report in zip(manifest.chunks[:kept], result.chunks, strict=False):
+        alone = _PartTarget(manifest, Part((0, 30), (0, 3)))
+        load_prefix_into(
+            alone, manifest, root, chunks=(chunk.index, chunk.index + 1),
+            quality=report.level, device="cpu", predictor=HarmonicPredictor(), policy=plan,
+            profiles=ProfileCache(), fingerprint=model.fingerprint,
+        )  # fmt: skip
+        span = slice(chunk.start, chunk.end)
+        assert torch.equal(kv[:, :, :, span], alone.kv[:, :, :, span]), chunk.index
