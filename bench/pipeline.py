@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -135,28 +136,31 @@ def main() -> int:
 
     model = load_model(None, "cpu")
     work = Path(tempfile.mkdtemp(prefix="kvcdn-bench-pipeline-"))
-    text = _document(model, args.tokens, work)
-    rows: list[dict[str, Any]] = []
-    for size in sizes:
-        folder = work / f"store-{size}"
-        publish(text=text, name="doc", model=model, store=str(folder),
-                levels="default,lowest",
-                chunk_tokens=size)  # fmt: skip
-        store = open_store(str(folder), create=False)
-        manifest = read_manifest(store, "doc")
-        profiles = ProfileCache()
-        n = len(manifest.chunks)
-        for deadline in (None, args.deadline):
-            for g in groups:
-                first = _load(model.layout, manifest, store, profiles, g, args.quality,
-                              deadline)  # fmt: skip
-                runs = [_load(model.layout, manifest, store, profiles, g, args.quality,
-                              deadline) for _ in range(args.repeats)]  # fmt: skip
-                median = [statistics.median(r[i] for r in runs) for i in range(4)]
-                rows.append({"chunk_tokens": size, "chunks": n, "groups": g, "items": n * g,
-                             "deadline_s": deadline, "first_s": first[0], "wall_s": median[0],
-                             "controller_cpu_s": median[1], "process_cpu_s": median[2],
-                             "plans": median[3]})  # fmt: skip
+    try:
+        text = _document(model, args.tokens, work)
+        rows: list[dict[str, Any]] = []
+        for size in sizes:
+            folder = work / f"store-{size}"
+            publish(text=text, name="doc", model=model, store=str(folder),
+                    levels="default,lowest",
+                    chunk_tokens=size)  # fmt: skip
+            store = open_store(str(folder), create=False)
+            manifest = read_manifest(store, "doc")
+            profiles = ProfileCache()
+            n = len(manifest.chunks)
+            for deadline in (None, args.deadline):
+                for g in groups:
+                    first = _load(model.layout, manifest, store, profiles, g, args.quality,
+                                  deadline)  # fmt: skip
+                    runs = [_load(model.layout, manifest, store, profiles, g, args.quality,
+                                  deadline) for _ in range(args.repeats)]  # fmt: skip
+                    median = [statistics.median(r[i] for r in runs) for i in range(4)]
+                    rows.append({"chunk_tokens": size, "chunks": n, "groups": g, "items": n * g,
+                                 "deadline_s": deadline, "first_s": first[0], "wall_s": median[0],
+                                 "controller_cpu_s": median[1], "process_cpu_s": median[2],
+                                 "plans": median[3]})  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
     table = Table(title=f"a load's pipeline: the first {args.tokens} tokens of man bash, "
                         f"{args.quality}")  # fmt: skip

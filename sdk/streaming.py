@@ -497,11 +497,7 @@ class Pipeline:
         self._planned_at = 0.0
         # Without a deadline the plan is each chunk's best level, whatever the time and
         # the link: only a level dropped for a chunk changes it, not a chunk's progress.
-        # A layer-ordered load with a give-up time plans again all the same, to see in
-        # time whether it will end by then (:meth:`_plan`).
-        self._timed = options.deadline_at is not None or (
-            self.layer_groups is not None and mode.give_up_at is not None
-        )
+        self._timed = options.deadline_at is not None
         self.cancelled = 0
         self.refined = 0
         self.refinements_dropped = 0
