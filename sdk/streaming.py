@@ -192,6 +192,7 @@ class _Items:
         for c in chunks:
             self._ended_in[c.group] += c.state in _ENDED
         self._first_open = 0
+        self.chunk_major = False  # a layer-ordered load past hope of its deadline
 
     def move(self, c: _Chunk, state: _State) -> None:
         self.count[c.state] -= 1
@@ -215,9 +216,10 @@ class _Items:
     def from_first_open(self) -> Iterator[_Chunk]:
         return itertools.islice(self.all, self.first_open(), None)
 
-    def chunk_major(self) -> None:
+    def to_chunk_major(self) -> None:
         """Put the items in document order, each chunk's groups together, and name
         each by its new place (the planner's name for it)."""
+        self.chunk_major = True
         self.all.sort(key=lambda c: (c.entry.index, c.group))
         for place, c in enumerate(self.all):
             c.key = place
@@ -477,7 +479,6 @@ class Pipeline:
         self._of_chunk: dict[int, list[_Chunk]] = {}  # a chunk's items, one a group
         for c in self.chunks:
             self._of_chunk.setdefault(c.entry.index, []).append(c)
-        self.chunk_major = False  # a layer-ordered load past hope of its deadline
         for level, why in options.failed_levels.items():
             for c in self.chunks:
                 c.unusable.add(level)
@@ -591,13 +592,12 @@ class Pipeline:
             )
         give_up_at = self.mode.give_up_at
         late = give_up_at is not None and now + result.predicted_s > give_up_at
-        if late and self.layer_groups is not None and not self.chunk_major:
+        if late and self.layer_groups is not None and not self.items.chunk_major:
             # Group by group, a load cut at its deadline holds no whole chunk: the last
             # group has barely started, and a chunk is usable only with all its layers.
             # Chunk by chunk, it holds the prefix that arrived, as a whole load does.
             # The forward pass then starts only once the load ends.
-            self.chunk_major = True
-            self.items.chunk_major()  # renames the items: after the log above
+            self.items.to_chunk_major()  # renames the items: after the log above
             log.info("%s cannot be loaded in layer order by its deadline: loading it "
                      "chunk by chunk", self.manifest.ref)  # fmt: skip
         self._planned_at = now
