@@ -222,6 +222,10 @@ def test_decode_writes_into_a_slice_of_a_larger_tensor(profile, real_kv):
         assert out.data_ptr() == big[:, :, :, start:].data_ptr()
     _, alone = decode_chunk(data, profile=profile)
     assert torch.equal(big[:, :, :, 256:], alone)
+    # some heads of a wider tensor: its groups are not one dimension of it
+    wide = torch.zeros(30, 2, 5, 256, 64)
+    decode_chunk(data, profile=profile, out=wide[:, :, 1:4])
+    assert torch.equal(wide[:, :, 1:4], alone) and not wide[:, :, 0].any()
 
 
 # ---- hostile containers and profiles ------------------------------------------------------

@@ -176,6 +176,7 @@ def test_a_layout_kvcdn_does_not_know_is_refused():
                             identity, BLOCK)  # fmt: skip
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_a_tensor_parallel_rank_holds_the_heads_vllm_gives_it():
     """vLLM splits KV heads evenly over ranks, or replicates each over ``size / heads``
     consecutive ranks when there are more ranks than heads (QKVParallelLinear)."""

@@ -179,7 +179,15 @@ def _decode_body(
         rans_numba.decode_permuted(*streams, tokens - s, dest.blocks.after(s))
         return
     assert isinstance(dest, TensorDest)
-    body = dest.tensor.view(groups, tokens, dim)[:, s:]
+    try:
+        body = dest.tensor.view(groups, tokens, dim)[:, s:]
+    except RuntimeError:  # its groups are not one dimension (some heads of a wider
+        # tensor): decoded beside it, then copied into it
+        t = dest.tensor
+        staged = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        _decode_body(streams, TensorDest(staged), groups, tokens, s, dim)
+        dest.window(s, tokens).write(staged[:, :, :, s:])
+        return
     if body.device.type == "cuda" and triton_available():
         from kvcdn.kernels import rans_triton
 
