@@ -29,6 +29,8 @@ Imports without Triton; :func:`available` says whether the GPU path can run, and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -46,7 +48,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 if triton is not None:
     from .rans_triton import store_rounded
 
-__all__ = ["available", "decode", "warm_up"]
+__all__ = ["Tables", "available", "decode", "decode_with", "tables", "warm_up"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK_G = 8  # groups a program: 8 x 4 states is one warp's 32 lanes
@@ -154,6 +156,52 @@ def coded_lanes(depth: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return lanes, coded.sum(axis=2).astype(np.int32)
 
 
+@dataclass(frozen=True)
+class Tables:
+    """What the decoder takes that is the same for every chunk: the tables and each
+    group's lanes and values for tiers ``0..k``, on one device (:func:`tables`)."""
+
+    k: int
+    groups: int
+    dim: int
+    lut: torch.Tensor
+    cum: torch.Tensor
+    lanes: torch.Tensor
+    m: torch.Tensor
+    lo: torch.Tensor
+    base: torch.Tensor
+    refine: torch.Tensor
+    scale: torch.Tensor
+    mean: torch.Tensor
+
+
+def tables(
+    k: int, lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray,
+    depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray,
+    device: str | torch.device,
+) -> Tables:  # fmt: skip
+    """The arguments of :func:`kvcdn.kernels.nested.decode` that do not change from
+    chunk to chunk, for tiers ``0..k``, copied to ``device``, where a caller can keep
+    them for the chunks it decodes there."""
+    if lut.shape[-1] != PROB_SCALE or depth.shape[0] <= k:
+        raise ValueError(f"lut must be [n_tables, {PROB_SCALE}] and depth name tier {k}")
+    G, D = mean.shape
+    depth = np.asarray(depth, dtype=np.int64)
+    lanes, m = coded_lanes(depth, k)
+    # The CPU kernel's scale, in the same float32 operations (exact: see the docstring).
+    scale = (3 ** (depth[-1] - depth[k])).astype(np.float32) * fine.astype(np.float32)
+
+    def put(a: np.ndarray, dtype: type, view: type | None = None) -> torch.Tensor:
+        a = np.ascontiguousarray(a, dtype=dtype)
+        return torch.from_numpy(a.view(view) if view is not None else a).to(device)
+
+    refine = refine_tid[:k] if k else np.zeros((1, 3, G, D), dtype=np.int32)
+    return Tables(k, G, D, put(lut.reshape(-1), np.uint32, np.int32), put(cum, np.uint32, np.int32),
+                  put(lanes, np.int32), put(m, np.int32), put(lo, np.int32),
+                  put(base_tid, np.int32), put(refine, np.int32), put(scale, np.float32),
+                  put(mean, np.float32))  # fmt: skip
+
+
 def decode(
     k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
     lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray, depth: np.ndarray,
@@ -166,39 +214,50 @@ def decode(
     partly written)."""
     if triton is None:
         raise RuntimeError("kvcdn.kernels.nested_triton needs triton")
+    _check(k, words, wbeg, wend, states, out)
+    t = tables(k, lut, cum, mean, fine, depth, lo, base_tid, refine_tid, out.device)
+    decode_with(t, words, wbeg, wend, states, out)
+
+
+def _check(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray,
+           states: np.ndarray, out: torch.Tensor) -> None:  # fmt: skip
     if out.dim() != 3 or out.dtype not in _OUT_DTYPES:
         raise ValueError("out must be a float32, float16 or bfloat16 tensor [G, T, D]")
-    G, T, D = out.shape
-    R = k + 1
     if not len(words) or np.any(wbeg > wend) or np.any(wend > len(words)) or np.any(wbeg < 0):
         raise ValueError("stream bounds outside the words")
-    if wbeg.shape[0] < R or states.shape[:2] != wbeg.shape or states.shape[2] != STATES:
+    if wbeg.shape[0] < k + 1 or states.shape[:2] != wbeg.shape or states.shape[2] != STATES:
         raise ValueError(f"tiers 0..{k} need stream bounds and states for each")
-    if lut.shape[-1] != PROB_SCALE or depth.shape[0] <= k:
-        raise ValueError(f"lut must be [n_tables, {PROB_SCALE}] and depth name tier {k}")
+
+
+def decode_with(
+    t: Tables, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
+    out: torch.Tensor,
+) -> None:  # fmt: skip
+    """:func:`decode` of a chunk's streams with its tiers' :func:`tables`, already on
+    ``out``'s device."""
+    if triton is None:
+        raise RuntimeError("kvcdn.kernels.nested_triton needs triton")
+    _check(t.k, words, wbeg, wend, states, out)
+    G, T, D = out.shape
+    R = t.k + 1
+    if (G, D) != (t.groups, t.dim) or t.lut.device != out.device:
+        raise ValueError(f"tables of {t.groups} groups of {t.dim} on {t.lut.device}, "
+                         f"out {G} of {D} on {out.device}")  # fmt: skip
     if G == 0 or T == 0:
         return
-    depth = np.asarray(depth, dtype=np.int64)
-    lanes, m = coded_lanes(depth, k)
-    # The CPU kernel's scale, in the same float32 operations (exact: see the docstring).
-    scale = (3 ** (depth[-1] - depth[k])).astype(np.float32) * fine.astype(np.float32)
     dev = out.device
 
     def put(a: np.ndarray, dtype: type, view: type | None = None) -> torch.Tensor:
         a = np.ascontiguousarray(a, dtype=dtype)
         return torch.from_numpy(a.view(view) if view is not None else a).to(dev)
 
-    refine = refine_tid[:k] if k else np.zeros((1, 3, G, D), dtype=np.int32)
     n = torch.empty((G, T, D), dtype=torch.int32, device=dev)
     err = torch.zeros(G, dtype=torch.int32, device=dev)
-    cum32 = put(cum, np.uint32, np.int32)
     _decode_kernel[(triton.cdiv(G, _BLOCK_G),)](
         put(words, np.uint16, np.int16), put(wbeg[:R], np.int64), put(wend[:R], np.int64),
-        put(states[:R], np.uint32, np.int32), put(lut.reshape(-1), np.uint32, np.int32),
-        cum32, put(lanes, np.int32), put(m, np.int32), put(lo, np.int32),
-        put(base_tid, np.int32), put(refine, np.int32), put(scale, np.float32),
-        put(mean, np.float32), n, out, err,
-        k, G, T, D, cum32.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        put(states[:R], np.uint32, np.int32), t.lut, t.cum, t.lanes, t.m, t.lo, t.base,
+        t.refine, t.scale, t.mean, n, out, err,
+        t.k, G, T, D, t.cum.stride(0), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_G=_BLOCK_G, BLOCK_D=triton.next_power_of_2(D), N_STATES=STATES,
         PROB_BITS_C=PROB_BITS, RANS_L_C=RANS_L, OUT_BF16=out.dtype == torch.bfloat16,
         enable_fp_fusion=False,  # multiply, then add (exact either way: see the docstring)

@@ -243,22 +243,32 @@ def to_device(
 
     Returns ``(words, word_start, states, lut, table_id, scale, offset)``.
     """
+    return (*streams_to_device(words, word_start, states, device),
+            *tables_to_device(lut, table_id, scale, offset, device))  # fmt: skip
 
-    def put(a: np.ndarray, dtype: np.dtype, view: np.dtype | None = None) -> torch.Tensor:
-        a = np.ascontiguousarray(a, dtype=dtype)
-        if view is not None:
-            a = a.view(view)
-        return torch.from_numpy(a).to(device)
 
-    return (
-        put(words, np.uint16, np.int16),
-        put(word_start, np.int64),
-        put(states, np.uint32, np.int32),
-        put(lut, np.uint32, np.int32),
-        put(table_id, np.int32),
-        put(scale, np.float32),
-        put(offset, np.float32),
-    )
+def streams_to_device(
+    words: np.ndarray, word_start: np.ndarray, states: np.ndarray, device: str | torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's streams: ``(words, word_start, states)`` on ``device``."""
+    return (_put(words, np.uint16, device, np.int16), _put(word_start, np.int64, device),
+            _put(states, np.uint32, device, np.int32))  # fmt: skip
+
+
+def tables_to_device(
+    lut: np.ndarray, table_id: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+    device: str | torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """What is the same for every chunk of a level: ``(lut, table_id, scale, offset)`` on
+    ``device``, which a caller can keep there."""
+    return (_put(lut, np.uint32, device, np.int32), _put(table_id, np.int32, device),
+            _put(scale, np.float32, device), _put(offset, np.float32, device))  # fmt: skip
+
+
+def _put(a: np.ndarray, dtype: type, device: str | torch.device,
+         view: type | None = None) -> torch.Tensor:  # fmt: skip
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return torch.from_numpy(a.view(view) if view is not None else a).to(device)
 
 
 def warm_up(device: str | torch.device, dtype: torch.dtype, dim: int) -> None:

@@ -27,6 +27,8 @@ import hashlib
 import json
 import math
 import struct
+import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +61,9 @@ NESTED_TIERS: tuple[str, ...] = ("minimal", "lowest", "low", "default", "high", 
 MAX_NESTED_DEPTH = 6
 #: Contexts of a refinement symbol (kvcdn.progressive.CONTEXTS).
 NESTED_CONTEXTS = 3
+#: Derived values a profile keeps (:meth:`CodecProfile.derived`): a few devices times
+#: the parts a reader decodes (a tensor-parallel rank's heads, a pipeline stage's layers).
+DERIVED_KEPT = 64
 
 
 def round_to_4_bits(x: np.ndarray) -> np.ndarray:
@@ -114,6 +119,10 @@ class CodecProfile:
     _table_starts: Any = field(default=None, init=False, repr=False, compare=False)
     _per_level: dict[str, Any] = field(default_factory=dict, init=False, repr=False,
                                        compare=False)  # fmt: skip
+    _derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False,
+                                          compare=False)  # fmt: skip
+    _derived_lock: Any = field(default_factory=threading.Lock, init=False, repr=False,
+                               compare=False)  # fmt: skip
 
     # ---- identity ----------------------------------------------------------
     def changed(self) -> None:
@@ -121,6 +130,21 @@ class CodecProfile:
         one was changed."""
         self._bytes = self._sha256 = self._decode_tables = self._table_starts = None
         self._per_level = {}
+        self._derived = {}
+
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per ``key`` and kept with the profile: a GPU decoder's
+        tables on its device (the decode tables alone are 6 MB, which every chunk would
+        otherwise copy to the device again). At most :data:`DERIVED_KEPT` are kept, the
+        oldest dropped first."""
+        found = self._derived.get(key)
+        if found is None:
+            found = make()  # outside the lock: two threads may both make it, once
+            with self._derived_lock:
+                while len(self._derived) >= DERIVED_KEPT:
+                    self._derived.pop(next(iter(self._derived)))
+                self._derived[key] = found
+        return found
 
     def to_bytes(self) -> bytes:
         if self._bytes is None:

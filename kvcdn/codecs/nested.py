@@ -119,8 +119,8 @@ class NestedCodec(Codec):
             g = slice(int(g[0]), int(g[-1]) + 1)
         mean, fine, depth, lo, _, base, refine = (a[..., g, :] for a in
                                                   profile.nested_arrays())  # fmt: skip
-        args = (st.k, st.words, st.wbeg, st.wend, st.states, profile.decode_tables(),
-                profile.table_starts(), mean, fine, depth, lo, base, refine)  # fmt: skip
+        tables = (profile.decode_tables(), profile.table_starts(), mean, fine, depth, lo, base,
+                  refine)  # fmt: skip
         on_gpu = isinstance(dest, TensorDest) and dest.tensor.device.type == "cuda"
         if on_gpu and triton_available():  # decoded on the device, into the tensor
             from kvcdn.kernels import nested_triton
@@ -131,8 +131,13 @@ class NestedCodec(Codec):
                 whole = t.view(groups, tokens, dim)
             except RuntimeError:
                 whole = torch.empty((groups, tokens, dim), dtype=t.dtype, device=t.device)
+            # the tables stay on the device, with the profile, for the next chunk
+            key = ("nested-triton", st.k, st.gids.tobytes(), str(t.device))
+            on_device = profile.derived(key, lambda: nested_triton.tables(st.k, *tables,
+                                                                          t.device))  # fmt: skip
             try:
-                nested_triton.decode(*args, whole[:, s:])
+                nested_triton.decode_with(on_device, st.words, st.wbeg, st.wend, st.states,
+                                          whole[:, s:])  # fmt: skip
             except RansError as exc:
                 raise FormatError(f"{name}: {exc}") from None
             if whole.data_ptr() != t.data_ptr():
@@ -141,7 +146,7 @@ class NestedCodec(Codec):
         body = dest.float32_array() if isinstance(dest, TensorDest) else None
         staged = np.empty((groups, tokens, dim), dtype=np.float32) if body is None else body
         try:
-            nested.decode(*args, staged[:, s:])
+            nested.decode(st.k, st.words, st.wbeg, st.wend, st.states, *tables, staged[:, s:])
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
         if body is None:

@@ -95,11 +95,8 @@ class RansCodec(Codec):
             dest.window(0, s).write_fp16(
                 parts.sink.view(np.uint16).reshape(layers, two, heads, s, dim)
             )
-        tid, scale, offset = profile.dequant(parts.level)
-        streams = (parts.words, parts.word_start, parts.states, profile.decode_tables(), tid,
-                   scale, offset)  # fmt: skip
         try:
-            _decode_body(streams, dest, parts.groups, tokens, s, dim)
+            _decode_body(_Coded(parts, profile, None), dest, parts.groups, tokens, s, dim)
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
 
@@ -133,11 +130,8 @@ class RansCodec(Codec):
         s = parts.sinks
         if s:
             dest.window(0, s).write_fp16(parts.sink.view(np.uint16).reshape(lp, 2, hp, s, dim))
-        tid, scale, offset = (a[gids] for a in profile.dequant(parts.level))
-        streams = (parts.words, parts.word_start, parts.states, profile.decode_tables(), tid,
-                   scale, offset)  # fmt: skip
         try:
-            _decode_body(streams, dest, parts.groups, tokens, s, dim)
+            _decode_body(_Coded(parts, profile, gids), dest, parts.groups, tokens, s, dim)
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
 
@@ -165,8 +159,39 @@ def _code_groups(
     return groups, sinks, x[:, :sinks].astype("<f2"), states, words, word_start
 
 
+@dataclass(frozen=True)
+class _Coded:
+    """A chunk's streams of some groups, and their level's tables: the kernels' arguments."""
+
+    parts: _Parts
+    profile: CodecProfile
+    gids: np.ndarray | None  # the groups' ids in the whole chunk (None: all)
+
+    def tables(self) -> tuple[np.ndarray, ...]:
+        """(lut, table_id, scale, offset) of these groups."""
+        dequant = self.profile.dequant(self.parts.level)
+        tid, scale, offset = dequant if self.gids is None else (a[self.gids] for a in dequant)
+        return self.profile.decode_tables(), tid, scale, offset
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The arguments of the CPU kernels."""
+        return (self.parts.words, self.parts.word_start, self.parts.states, *self.tables())
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The arguments of the Triton kernel, on ``device``: the streams copied there,
+        the tables kept there by the profile."""
+        from kvcdn.kernels import rans_triton
+
+        groups = None if self.gids is None else self.gids.tobytes()
+        tables = self.profile.derived(("rans-triton", self.parts.level, groups, str(device)),
+                                      lambda: rans_triton.tables_to_device(*self.tables(),
+                                                                           device))  # fmt: skip
+        p = self.parts
+        return (*rans_triton.streams_to_device(p.words, p.word_start, p.states, device), *tables)
+
+
 def _decode_body(
-    streams: tuple[np.ndarray, ...], dest: ChunkDest, groups: int, tokens: int, s: int, dim: int
+    coded: _Coded, dest: ChunkDest, groups: int, tokens: int, s: int, dim: int
 ) -> None:
     """The coded tokens ``s ..`` into ``dest``, by the kernel that writes it straight:
     into paged blocks, a CUDA tensor (Triton), a float32 CPU tensor; otherwise decoded
@@ -176,7 +201,7 @@ def _decode_body(
     from kvcdn.kernels import rans_numba
 
     if isinstance(dest, BlocksDest):
-        rans_numba.decode_permuted(*streams, tokens - s, dest.blocks.after(s))
+        rans_numba.decode_permuted(*coded.arrays(), tokens - s, dest.blocks.after(s))
         return
     assert isinstance(dest, TensorDest)
     try:
@@ -185,18 +210,18 @@ def _decode_body(
         # tensor): decoded beside it, then copied into it
         t = dest.tensor
         staged = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        _decode_body(streams, TensorDest(staged), groups, tokens, s, dim)
+        _decode_body(coded, TensorDest(staged), groups, tokens, s, dim)
         dest.window(s, tokens).write(staged[:, :, :, s:])
         return
     if body.device.type == "cuda" and triton_available():
         from kvcdn.kernels import rans_triton
 
-        rans_triton.decode(*rans_triton.to_device(*streams, body.device), body)
+        rans_triton.decode(*coded.on_device(body.device), body)
     elif body.dtype == torch.float32 and body.device.type == "cpu":
-        rans_numba.decode(*streams, body.numpy())
+        rans_numba.decode(*coded.arrays(), body.numpy())
     else:  # another dtype, or CUDA without Triton
         tmp = np.empty((groups, tokens - s, dim), dtype=np.float32)
-        rans_numba.decode(*streams, tmp)
+        rans_numba.decode(*coded.arrays(), tmp)
         body.copy_(torch.from_numpy(tmp))
 
 
