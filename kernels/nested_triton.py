@@ -7,14 +7,18 @@ rANS states are one row of a ``[BLOCK_G, STATES]`` block, so a step decodes the 
 lane order (an exclusive prefix sum along the row), as :mod:`kvcdn.kernels.rans_triton`
 does for its lanes.
 
-Tiers run one after another over the whole chunk (tier-major): the base's symbols of
-every token, then refinement 1's, ... Each tier's states then stay in registers for
-the whole tier, and a refinement reads its parent index from a scratch ``[G, T, D]`` of
-int32 that the tier below wrote (a barrier between tiers: a refinement lane reads an
-index another thread wrote). The CPU kernel goes token-major instead (its indices stay
-in cache); the symbols, and so the values, are the same.
+Each tier runs in a program of its own, all of a chunk's tiers at once, token by
+token: a tier's states stay in registers for the whole tier, and a refinement reads
+its parent index from a scratch ``[G, T, D]`` of int32 that the tier below wrote. A
+tier's program publishes how many tokens it has finished (a release store, after a
+barrier of its threads), and the tier above waits for token ``t`` before it reads
+token ``t``'s parents (an acquire load, then volatile reads). A chunk's decode is a
+chain of dependent loads four states wide (the format's), so one chunk takes the time
+of its longest tier, not the sum of its tiers. The CPU kernel goes token-major
+instead (its indices stay in cache); the symbols, and so the values, are the same.
 
-The values are written last, ``mean + float32(n) * scale`` with ``scale =
+The top tier's program writes each token's values once it is decoded, ``mean +
+float32(n) * scale`` with ``scale =
 float32(3 ** (top - depth[k])) * fine`` computed on the host as the CPU kernel does
 (both products exact, one rounding at the addition), then rounded to ``out``'s dtype as
 torch's ``.to`` does (bfloat16 by hand: the interpreter's cast truncates).
@@ -70,15 +74,22 @@ if triton is not None:
     # Sizes that vary from chunk to chunk are not specialised on (Triton compiles a
     # kernel for each value of 1 and each divisibility by 16): one compilation an
     # output dtype and width, which warm_up makes ahead of the first chunk.
-    @triton.jit(do_not_specialize=["K", "G", "T", "CUM_STRIDE", "stride_og", "stride_ot"])
+    @triton.jit(do_not_specialize=["K", "G", "T", "NB", "CUM_STRIDE", "stride_og",
+                                   "stride_ot"])  # fmt: skip
     def _decode_kernel(
         words_ptr, wbeg_ptr, wend_ptr, states_ptr, lut_ptr, cum_ptr, lanes_ptr, m_ptr,
-        lo_ptr, base_ptr, refine_ptr, scale_ptr, mean_ptr, n_ptr, out_ptr, err_ptr,
-        K, G, T, D, CUM_STRIDE, stride_og, stride_ot, stride_od,
+        lo_ptr, base_ptr, refine_ptr, scale_ptr, mean_ptr, n_ptr, out_ptr, err_ptr, done_ptr,
+        K, G, T, D, NB, CUM_STRIDE, stride_og, stride_ot, stride_od,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, N_STATES: tl.constexpr,
         PROB_BITS_C: tl.constexpr, RANS_L_C: tl.constexpr, OUT_BF16: tl.constexpr,
     ):  # fmt: skip
-        gv = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+        # Program r * NB + b decodes tier r of group block b: lower tiers have lower
+        # program ids, so a program waiting for the tier below waits for one already
+        # started (or done), never for one not yet scheduled.
+        pid = tl.program_id(0)
+        r = pid // NB
+        blk = pid % NB
+        gv = blk.to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
         live_g = gv < G
         g2 = gv[:, None]
         lane = tl.arange(0, N_STATES)[None, :]
@@ -86,64 +97,70 @@ if triton is not None:
         bad = tl.zeros([BLOCK_G], dtype=tl.int32)
         slot_mask = (1 << PROB_BITS_C) - 1
         scale_full = 1 << PROB_BITS_C
-
-        for r in range(K + 1):
-            x = tl.load(states_ptr + (r * G + g2) * N_STATES + lane, mask=live, other=RANS_L_C)
-            x = tl.cast(x, tl.uint32, bitcast=True)
-            pos = tl.load(wbeg_ptr + r * G + gv, mask=live_g, other=0)
-            end = tl.load(wend_ptr + r * G + gv, mask=live_g, other=0)
-            m1 = tl.load(m_ptr + r * G + gv, mask=live_g, other=0)
-            m = m1[:, None]
-            steps = tl.cdiv(tl.max(m1, axis=0), N_STATES)
-            for t in range(T):
-                for step in range(steps):
-                    q = step * N_STATES + lane
-                    act = live & (q < m)
-                    d = tl.load(lanes_ptr + (r * G + g2) * D + q, mask=act, other=0)
-                    at = (g2 * T + t) * D + d
-                    slot = x & slot_mask
-                    if r == 0:  # the base: a symbol of the lane's table, from the LUT
-                        tab = tl.load(base_ptr + g2 * D + d, mask=act, other=0).to(tl.int64)
-                        e = tl.load(lut_ptr + (tab << PROB_BITS_C) + slot, mask=act, other=0)
-                        e = tl.cast(e, tl.uint32, bitcast=True)
-                        v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS_C) + (e >> 20)
-                        low = tl.load(lo_ptr + g2 * D + d, mask=act, other=0)
-                        n = (e & 0xFF).to(tl.int32) + low
-                    else:  # a refinement: a ternary symbol, in context min(|parent|, 2)
-                        parent = tl.load(n_ptr + at, mask=act, other=0)
-                        a = tl.abs(parent)
-                        ctx = (a != 0).to(tl.int32) + (a > 1).to(tl.int32)
-                        tab = tl.load(refine_ptr + (((r - 1) * 3 + ctx) * G + g2) * D + d,
-                                      mask=act, other=0).to(tl.int64)  # fmt: skip
-                        c1 = tl.load(cum_ptr + tab * CUM_STRIDE + 1, mask=act, other=0)
-                        c2 = tl.load(cum_ptr + tab * CUM_STRIDE + 2, mask=act, other=0)
-                        c1 = tl.cast(c1, tl.uint32, bitcast=True)
-                        c2 = tl.cast(c2, tl.uint32, bitcast=True)
-                        s = (slot >= c1).to(tl.uint32) + (slot >= c2).to(tl.uint32)
-                        start = tl.where(s == 0, 0, tl.where(s == 1, c1, c2))
-                        freq = tl.where(s == 0, c1, tl.where(s == 1, c2 - c1, scale_full - c2))
-                        v = freq * (x >> PROB_BITS_C) + slot - start
-                        sign = tl.where(parent < 0, -1, 1)  # counted from the mean's side
-                        n = 3 * parent + (s.to(tl.int32) - 1) * sign
-                    tl.store(n_ptr + at, n, mask=act)
-                    v = tl.where(act, v, x)
-                    x, pos, bad = _renormalise(v, act & (v < RANS_L_C), pos, end, words_ptr, bad)
-            bad = bad | tl.max((live & (x != RANS_L_C)).to(tl.int32), axis=1)
-            bad = bad | (live_g & (pos != end)).to(tl.int32)
-            tl.debug_barrier()  # the next tier reads indices other threads wrote
-
         dv = tl.arange(0, BLOCK_D)[None, :]
         live_d = live_g[:, None] & (dv < D)
         scale = tl.load(scale_ptr + g2 * D + dv, mask=live_d, other=0.0)
         mean = tl.load(mean_ptr + g2 * D + dv, mask=live_d, other=0.0)
         out_row = out_ptr + g2 * stride_og + dv * stride_od
+
+        x = tl.load(states_ptr + (r * G + g2) * N_STATES + lane, mask=live, other=RANS_L_C)
+        x = tl.cast(x, tl.uint32, bitcast=True)
+        pos = tl.load(wbeg_ptr + r * G + gv, mask=live_g, other=0)
+        end = tl.load(wend_ptr + r * G + gv, mask=live_g, other=0)
+        m1 = tl.load(m_ptr + r * G + gv, mask=live_g, other=0)
+        m = m1[:, None]
+        steps = tl.cdiv(tl.max(m1, axis=0), N_STATES)
+        below = done_ptr + (r - 1) * NB + blk  # tokens the tier below has finished
         for t in range(T):
-            n = tl.load(n_ptr + (g2 * T + t) * D + dv, mask=live_d, other=0)
-            val = n.to(tl.float32) * scale
-            val = val + mean
-            store_rounded(out_row, val, live_d, OUT_BF16)
-            out_row += stride_ot
-        tl.store(err_ptr + gv, bad, mask=live_g)
+            if r > 0:  # the parents of token t are the tier below's: wait for them
+                finished = tl.atomic_add(below, 0, sem="acquire")
+                while finished <= t:
+                    finished = tl.atomic_add(below, 0, sem="acquire")
+            for step in range(steps):
+                q = step * N_STATES + lane
+                act = live & (q < m)
+                d = tl.load(lanes_ptr + (r * G + g2) * D + q, mask=act, other=0)
+                at = (g2 * T + t) * D + d
+                slot = x & slot_mask
+                if r == 0:  # the base: a symbol of the lane's table, from the LUT
+                    tab = tl.load(base_ptr + g2 * D + d, mask=act, other=0).to(tl.int64)
+                    e = tl.load(lut_ptr + (tab << PROB_BITS_C) + slot, mask=act, other=0)
+                    e = tl.cast(e, tl.uint32, bitcast=True)
+                    v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS_C) + (e >> 20)
+                    low = tl.load(lo_ptr + g2 * D + d, mask=act, other=0)
+                    n = (e & 0xFF).to(tl.int32) + low
+                else:  # a refinement: a ternary symbol, in context min(|parent|, 2)
+                    # (volatile: the program of the tier below wrote it)
+                    parent = tl.load(n_ptr + at, mask=act, other=0, volatile=True)
+                    a = tl.abs(parent)
+                    ctx = (a != 0).to(tl.int32) + (a > 1).to(tl.int32)
+                    tab = tl.load(refine_ptr + (((r - 1) * 3 + ctx) * G + g2) * D + d,
+                                  mask=act, other=0).to(tl.int64)  # fmt: skip
+                    c1 = tl.load(cum_ptr + tab * CUM_STRIDE + 1, mask=act, other=0)
+                    c2 = tl.load(cum_ptr + tab * CUM_STRIDE + 2, mask=act, other=0)
+                    c1 = tl.cast(c1, tl.uint32, bitcast=True)
+                    c2 = tl.cast(c2, tl.uint32, bitcast=True)
+                    s = (slot >= c1).to(tl.uint32) + (slot >= c2).to(tl.uint32)
+                    start = tl.where(s == 0, 0, tl.where(s == 1, c1, c2))
+                    freq = tl.where(s == 0, c1, tl.where(s == 1, c2 - c1, scale_full - c2))
+                    v = freq * (x >> PROB_BITS_C) + slot - start
+                    sign = tl.where(parent < 0, -1, 1)  # counted from the mean's side
+                    n = 3 * parent + (s.to(tl.int32) - 1) * sign
+                tl.store(n_ptr + at, n, mask=act)
+                v = tl.where(act, v, x)
+                x, pos, bad = _renormalise(v, act & (v < RANS_L_C), pos, end, words_ptr, bad)
+            tl.debug_barrier()  # every thread's indices of token t are written
+            if r < K:  # the tier above may take token t now
+                tl.atomic_xchg(done_ptr + r * NB + blk, t + 1, sem="release")
+            else:  # the top tier: token t's values
+                nt = tl.load(n_ptr + (g2 * T + t) * D + dv, mask=live_d, other=0, volatile=True)
+                val = nt.to(tl.float32) * scale
+                val = val + mean
+                store_rounded(out_row, val, live_d, OUT_BF16)
+                out_row += stride_ot
+        bad = bad | tl.max((live & (x != RANS_L_C)).to(tl.int32), axis=1)
+        bad = bad | (live_g & (pos != end)).to(tl.int32)
+        tl.store(err_ptr + r * G + gv, bad, mask=live_g)
 
 
 def coded_lanes(depth: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -252,19 +269,22 @@ def decode_with(
         return torch.from_numpy(a.view(view) if view is not None else a).to(dev)
 
     n = torch.empty((G, T, D), dtype=torch.int32, device=dev)
-    err = torch.zeros(G, dtype=torch.int32, device=dev)
-    _decode_kernel[(triton.cdiv(G, _BLOCK_G),)](
+    err = torch.zeros(R * G, dtype=torch.int32, device=dev)
+    nb = triton.cdiv(G, _BLOCK_G)
+    done = torch.zeros(R * nb, dtype=torch.int32, device=dev)  # tokens each tier finished
+    _decode_kernel[(R * nb,)](
         put(words, np.uint16, np.int16), put(wbeg[:R], np.int64), put(wend[:R], np.int64),
         put(states[:R], np.uint32, np.int32), t.lut, t.cum, t.lanes, t.m, t.lo, t.base,
-        t.refine, t.scale, t.mean, n, out, err,
-        t.k, G, T, D, t.cum.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        t.refine, t.scale, t.mean, n, out, err, done,
+        t.k, G, T, D, nb, t.cum.stride(0), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_G=_BLOCK_G, BLOCK_D=triton.next_power_of_2(D), N_STATES=STATES,
         PROB_BITS_C=PROB_BITS, RANS_L_C=RANS_L, OUT_BF16=out.dtype == torch.bfloat16,
         enable_fp_fusion=False,  # multiply, then add (exact either way: see the docstring)
     )  # fmt: skip
     bad = torch.nonzero(err).flatten()
     if bad.numel():
-        raise RansError(f"group {int(bad[0])}: its rANS stream does not end where it should")
+        raise RansError(f"group {int(bad[0]) % G}: its rANS stream does not end where it "
+                        "should")  # fmt: skip
 
 
 def warm_up(device: str | torch.device, dtype: torch.dtype, dim: int) -> None:
