@@ -40,7 +40,7 @@ import torch
 
 from .nested import STATES
 from .rans import PROB_BITS, PROB_SCALE, RANS_L, RansError
-from .rans_triton import available
+from .rans_triton import array_to_device, available
 
 try:  # the module must import (and report unavailable) where Triton is missing
     import triton
@@ -209,8 +209,7 @@ def tables(
     scale = (3 ** (depth[-1] - depth[k])).astype(np.float32) * fine.astype(np.float32)
 
     def put(a: np.ndarray, dtype: type, view: type | None = None) -> torch.Tensor:
-        a = np.ascontiguousarray(a, dtype=dtype)
-        return torch.from_numpy(a.view(view) if view is not None else a).to(device)
+        return array_to_device(a, dtype, device, view)
 
     refine = refine_tid[:k] if k else np.zeros((1, 3, G, D), dtype=np.int32)
     return Tables(k, G, D, put(lut.reshape(-1), np.uint32, np.int32), put(cum, np.uint32, np.int32),
@@ -265,8 +264,7 @@ def decode_with(
     dev = out.device
 
     def put(a: np.ndarray, dtype: type, view: type | None = None) -> torch.Tensor:
-        a = np.ascontiguousarray(a, dtype=dtype)
-        return torch.from_numpy(a.view(view) if view is not None else a).to(dev)
+        return array_to_device(a, dtype, dev, view)
 
     n = torch.empty((G, T, D), dtype=torch.int32, device=dev)
     err = torch.zeros(R * G, dtype=torch.int32, device=dev)

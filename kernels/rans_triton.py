@@ -251,8 +251,9 @@ def streams_to_device(
     words: np.ndarray, word_start: np.ndarray, states: np.ndarray, device: str | torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A chunk's streams: ``(words, word_start, states)`` on ``device``."""
-    return (_put(words, np.uint16, device, np.int16), _put(word_start, np.int64, device),
-            _put(states, np.uint32, device, np.int32))  # fmt: skip
+    put = array_to_device
+    return (put(words, np.uint16, device, np.int16), put(word_start, np.int64, device),
+            put(states, np.uint32, device, np.int32))  # fmt: skip
 
 
 def tables_to_device(
@@ -261,12 +262,14 @@ def tables_to_device(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """What is the same for every chunk of a level: ``(lut, table_id, scale, offset)`` on
     ``device``, which a caller can keep there."""
-    return (_put(lut, np.uint32, device, np.int32), _put(table_id, np.int32, device),
-            _put(scale, np.float32, device), _put(offset, np.float32, device))  # fmt: skip
+    put = array_to_device
+    return (put(lut, np.uint32, device, np.int32), put(table_id, np.int32, device),
+            put(scale, np.float32, device), put(offset, np.float32, device))  # fmt: skip
 
 
-def _put(a: np.ndarray, dtype: type, device: str | torch.device,
+def array_to_device(a: np.ndarray, dtype: type, device: str | torch.device,
          view: type | None = None) -> torch.Tensor:  # fmt: skip
+    """``a`` as ``dtype`` (its bits read as ``view``, if given) on ``device``."""
     a = np.ascontiguousarray(a, dtype=dtype)
     return torch.from_numpy(a.view(view) if view is not None else a).to(device)
 
