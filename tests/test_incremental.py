@@ -25,9 +25,10 @@ FP16_PREFIX_REL_ERR = 1e-3
 QUESTION = "Which option makes sed edit files in place?"
 
 
-def _edited(sed_text: str) -> tuple[str, str]:
-    """A document of about 1,500 tokens, and the same with its last tenth rewritten."""
-    doc = sed_text[:6000]
+def _edited(sed_text: str, chars: int = 6000) -> tuple[str, str]:
+    """A document of about 1,500 tokens (of ``chars`` characters), and the same with its
+    last tenth rewritten."""
+    doc = sed_text[:chars]
     cut = int(len(doc) * 0.9)
     return doc, doc[:cut] + sed_text[9000 : 9000 + len(doc) - cut]
 
@@ -87,7 +88,7 @@ def test_a_prefix_read_at_a_lossy_level(tmp_path, model, sed_text):
 
 
 def test_what_cannot_be_continued_is_prefilled_whole_and_says_why(tmp_path, model, sed_text):
-    doc, edited = _edited(sed_text)
+    doc, edited = _edited(sed_text, 3000)  # ~700 tokens: a prefix chunk and the edited one
     n_tokens = len(model.document_ids(edited))
 
     # a level the unchanged chunks lack
