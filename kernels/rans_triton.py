@@ -271,6 +271,8 @@ def array_to_device(a: np.ndarray, dtype: type, device: str | torch.device,
          view: type | None = None) -> torch.Tensor:  # fmt: skip
     """``a`` as ``dtype`` (its bits read as ``view``, if given) on ``device``."""
     a = np.ascontiguousarray(a, dtype=dtype)
+    if not a.flags.writeable:  # a view of an object's bytes: torch would warn, once a
+        a = a.copy()  # process, of a tensor it could write through (it only reads it)
     return torch.from_numpy(a.view(view) if view is not None else a).to(device)
 
 

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -283,6 +284,12 @@ def test_to_device_and_argument_checks() -> None:
     with pytest.raises(ValueError, match="out"):
         rans_triton.decode(*args, out.double())
     assert rans_triton.available() == torch.cuda.is_available()
+    # the words of an object are a read-only view of its bytes: copied quietly
+    read_only = np.frombuffer(case["words"].tobytes(), dtype=np.uint16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        on = rans_triton.array_to_device(read_only, np.uint16, "cpu", np.int16)
+    np.testing.assert_array_equal(on.numpy().view(np.uint16), case["words"])
 
 
 @pytest.mark.gpu
