@@ -268,7 +268,7 @@ def tables_to_device(
 
 
 def array_to_device(a: np.ndarray, dtype: type, device: str | torch.device,
-         view: type | None = None) -> torch.Tensor:  # fmt: skip
+                    view: type | None = None) -> torch.Tensor:  # fmt: skip
     """``a`` as ``dtype`` (its bits read as ``view``, if given) on ``device``."""
     a = np.ascontiguousarray(a, dtype=dtype)
     if not a.flags.writeable:  # a view of an object's bytes: torch would warn, once a
