@@ -193,13 +193,14 @@ class Tables:
 
 
 def tables(
-    k: int, lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray,
-    depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray,
-    device: str | torch.device,
+    k: int, lut: np.ndarray | torch.Tensor, cum: np.ndarray, mean: np.ndarray,
+    fine: np.ndarray, depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray,
+    refine_tid: np.ndarray, device: str | torch.device,
 ) -> Tables:  # fmt: skip
     """The arguments of :func:`kvcdn.kernels.nested.decode` that do not change from
     chunk to chunk, for tiers ``0..k``, copied to ``device``, where a caller can keep
-    them for the chunks it decodes there."""
+    them for the chunks it decodes there (``lut`` may be there already: an int32
+    tensor that several tables share)."""
     if lut.shape[-1] != PROB_SCALE or depth.shape[0] <= k:
         raise ValueError(f"lut must be [n_tables, {PROB_SCALE}] and depth name tier {k}")
     G, D = mean.shape

@@ -267,9 +267,12 @@ def tables_to_device(
             put(scale, np.float32, device), put(offset, np.float32, device))  # fmt: skip
 
 
-def array_to_device(a: np.ndarray, dtype: type, device: str | torch.device,
+def array_to_device(a: np.ndarray | torch.Tensor, dtype: type, device: str | torch.device,
                     view: type | None = None) -> torch.Tensor:  # fmt: skip
-    """``a`` as ``dtype`` (its bits read as ``view``, if given) on ``device``."""
+    """``a`` as ``dtype`` (its bits read as ``view``, if given) on ``device``; a tensor
+    (one a caller keeps on the device already, in the kernel's dtype) as it is there."""
+    if isinstance(a, torch.Tensor):
+        return a.to(device)
     a = np.ascontiguousarray(a, dtype=dtype)
     if not a.flags.writeable:  # a view of an object's bytes: torch would warn, once a
         a = a.copy()  # process, of a tensor it could write through (it only reads it)

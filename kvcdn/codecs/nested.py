@@ -27,7 +27,7 @@ from kvcdn.errors import FormatError, InputError
 from . import Codec
 from .dest import ChunkDest, TensorDest
 from .rans import SECTION_COUNTS as _COUNTS
-from .rans import pack_sections_of, triton_available
+from .rans import device_decode_tables, pack_sections_of, triton_available
 
 if TYPE_CHECKING:
     import torch
@@ -133,8 +133,9 @@ class NestedCodec(Codec):
                 whole = torch.empty((groups, tokens, dim), dtype=t.dtype, device=t.device)
             # the tables stay on the device, with the profile, for the next chunk
             key = ("nested-triton", st.k, st.gids.tobytes(), str(t.device))
-            on_device = profile.derived(key, lambda: nested_triton.tables(st.k, *tables,
-                                                                          t.device))  # fmt: skip
+            lut = device_decode_tables(profile, t.device)  # one copy for every key
+            on_device = profile.derived(key, lambda: nested_triton.tables(
+                st.k, lut, *tables[1:], t.device))  # fmt: skip
             try:
                 nested_triton.decode_with(on_device, st.words, st.wbeg, st.wend, st.states,
                                           whole[:, s:])  # fmt: skip

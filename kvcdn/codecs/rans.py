@@ -183,9 +183,10 @@ class _Coded:
         from kvcdn.kernels import rans_triton
 
         groups = None if self.gids is None else self.gids.tobytes()
+        lut = device_decode_tables(self.profile, device)
         tables = self.profile.derived(("rans-triton", self.parts.level, groups, str(device)),
-                                      lambda: rans_triton.tables_to_device(*self.tables(),
-                                                                           device))  # fmt: skip
+                                      lambda: rans_triton.tables_to_device(
+                                          lut, *self.tables()[1:], device))  # fmt: skip
         p = self.parts
         return (*rans_triton.streams_to_device(p.words, p.word_start, p.states, device), *tables)
 
@@ -359,6 +360,15 @@ def _parts(
     if np.any(states < (1 << 16)):
         raise FormatError(f"{name}: a stream state is out of range")
     return _Parts(level, groups, s, word_start, states, sink.reshape(groups, s, dim), words)
+
+
+def device_decode_tables(profile: CodecProfile, device: torch.device) -> torch.Tensor:
+    """The profile's decode tables on ``device``, one copy there for every level and
+    part decoded there (they are 6 MB)."""
+    from kvcdn.kernels import rans_triton
+
+    return profile.derived(("decode-tables", str(device)), lambda: rans_triton.array_to_device(
+        profile.decode_tables(), np.uint32, device, np.int32))  # fmt: skip
 
 
 def triton_available() -> bool:
