@@ -217,6 +217,7 @@ class RefusingQuerySignatures:
         self.url = f"http://127.0.0.1:{self.port}"
         self.refused = 0
         self.followed = 0  # requests to where a redirect pointed
+        self.keepalive_timeout = 75.0  # aiohttp's default
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
@@ -243,7 +244,7 @@ class RefusingQuerySignatures:
         async def start() -> web.AppRunner:
             app = web.Application(client_max_size=64 << 20)
             app.router.add_route("*", "/{tail:.*}", self._answer)
-            runner = web.AppRunner(app)
+            runner = web.AppRunner(app, keepalive_timeout=self.keepalive_timeout)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", self.port).start()
             return runner
@@ -256,6 +257,51 @@ class RefusingQuerySignatures:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+class MisbehavingPresignedGets(RefusingQuerySignatures):
+    """An S3 endpoint whose query-signed (presigned) GETs misbehave as ``mode`` says,
+    every other request passed on to ``upstream`` (moto):
+
+    - ``endless``: a 200 whose chunked body of zeros never ends (while the mode stays);
+    - ``hang``: the headers never come (while the mode stays);
+    - ``idle-close``: each GET passed on too, on connections kept alive (HTTP/1.1)
+      but closed by the server after ``keepalive_timeout`` idle seconds, as S3's
+      front ends do; ``connections`` counts the connections that sent a GET.
+    """
+
+    def __init__(self, upstream: str, mode: str, keepalive_timeout: float = 75.0) -> None:
+        super().__init__(upstream)
+        self.mode = mode
+        self.keepalive_timeout = keepalive_timeout
+        self.signed_gets = 0
+        self._connections: set[int] = set()
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        if "X-Amz-Signature" not in request.query:
+            return await super()._answer(request)
+        self.signed_gets += 1
+        self._connections.add(id(request.transport))
+        # (until the mode changes: a test's end must not wait for these)
+        while self.mode == "hang":
+            await asyncio.sleep(0.05)
+        if self.mode == "endless":
+            resp = web.StreamResponse()
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            zeros = bytes(1 << 16)
+            while self.mode == "endless":
+                await resp.write(zeros)
+            return resp
+        # idle-close: the object, from moto, the signed request passed on as it came
+        async with aiohttp.ClientSession(auto_decompress=False) as session:
+            async with session.get(self.upstream + request.path_qs,
+                                   headers={"Host": request.host}) as resp:  # fmt: skip
+                return web.Response(status=resp.status, body=await resp.read())
 
 
 def get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):

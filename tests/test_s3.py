@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import boto3
@@ -14,6 +15,7 @@ from kvcdn.publish import publish
 from kvcdn.store import open_store
 from tests.edge_helpers import (
     EdgeProcess,
+    MisbehavingPresignedGets,
     RefusingQuerySignatures,
     chunk_object,
     get,
@@ -113,13 +115,9 @@ def test_an_edge_whose_store_refuses_presigned_gets_reads_through_the_store_clie
     never followed), costs one refused GET: that miss is read again through the
     store's client, and so is every later one."""
     objects = dict(chunk_object(seed) for seed in (43, 44, 45))
-    bucket = f"kvcdn-{uuid.uuid4().hex[:12]}"
-    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
-    client.create_bucket(Bucket=bucket)
-    for key, data in objects.items():
-        client.put_object(Bucket=bucket, Key=f"kv/{key}", Body=data)
+    url = _bucket_of(moto_endpoint, objects)
     with RefusingQuerySignatures(moto_endpoint, status) as store:
-        edge = EdgeProcess(f"s3://{bucket}/kv", tmp_path / "cache", store.url).start()
+        edge = EdgeProcess(url, tmp_path / "cache", store.url).start()
         try:
             for key, data in objects.items():
                 assert get(f"{edge.url}/{key}")[2] == data
@@ -130,3 +128,56 @@ def test_an_edge_whose_store_refuses_presigned_gets_reads_through_the_store_clie
     output = edge.output()
     assert output.count("through the store's client from now on") == 1
     assert "X-Amz-Signature" not in output
+
+
+def _bucket_of(moto_endpoint: str, objects: dict[str, bytes]) -> str:
+    """A new bucket on moto holding ``objects`` under ``kv/``; its ``s3://`` URL."""
+    bucket = f"kvcdn-{uuid.uuid4().hex[:12]}"
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    for key, data in objects.items():
+        client.put_object(Bucket=bucket, Key=f"kv/{key}", Body=data)
+    return f"s3://{bucket}/kv"
+
+
+def test_an_edge_keeps_store_connections_and_redials_one_the_store_closed(moto_endpoint, tmp_path):
+    """Misses one after another share one kept-alive connection to the store; one the
+    store closed while it sat idle is dialled again, and the miss is served, not
+    failed."""
+    objects = dict(chunk_object(seed) for seed in (46, 47, 48, 49))
+    url = _bucket_of(moto_endpoint, objects)
+    with MisbehavingPresignedGets(moto_endpoint, "idle-close", keepalive_timeout=0.5) as store:
+        edge = EdgeProcess(url, tmp_path / "cache", store.url).start()
+        try:
+            keys = list(objects)
+            for key in keys[:3]:
+                assert get(f"{edge.url}/{key}")[2] == objects[key]
+            assert store.signed_gets == 3 and store.connections == 1
+            time.sleep(1.5)  # the store closes the idle connection
+            assert get(f"{edge.url}/{keys[3]}")[2] == objects[keys[3]]
+            assert store.signed_gets == 4 and store.connections == 2
+            assert edge.metrics()["kvcdn_edge_origin_errors_total"] == 0
+        finally:
+            edge.kill()
+
+
+@pytest.mark.parametrize(("mode", "status"), [("endless", 502), ("hang", 504)])
+def test_presigned_gets_that_never_end_are_given_up(moto_endpoint, tmp_path, mode, status):
+    """A store whose GET sends a body without end, or never answers: the miss fails
+    (502 past the object's limit, 504 at the origin timeout), nothing is cached, no
+    spool is left, and the edge serves the next miss from a store that answers."""
+    key, data = chunk_object(50)
+    url = _bucket_of(moto_endpoint, {key: data})
+    with MisbehavingPresignedGets(moto_endpoint, mode) as store:
+        edge = EdgeProcess(url, tmp_path / "cache", store.url, "--origin-timeout", "2").start()
+        try:
+            start = time.monotonic()
+            assert get(f"{edge.url}/{key}")[0] == status
+            assert time.monotonic() - start < 10
+            assert edge.metrics()["kvcdn_edge_cache_objects"] == 0
+            assert not [p for p in (tmp_path / "cache").rglob(".*") if p.is_file()]
+            store.mode = "idle-close"  # the store recovers: the same key is served
+            assert get(f"{edge.url}/{key}")[2] == data
+        finally:
+            edge.kill()
+    assert "X-Amz-Signature" not in edge.output()
