@@ -293,7 +293,7 @@ class MisbehavingPresignedGets(RefusingQuerySignatures):
             resp = web.StreamResponse()
             resp.enable_chunked_encoding()
             await resp.prepare(request)
-            zeros = bytes(1 << 16)
+            zeros = bytes(1 << 20)  # a body passes an object's limit (1 GiB) in seconds
             while self.mode == "endless":
                 await resp.write(zeros)
             return resp
