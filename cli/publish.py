@@ -189,8 +189,9 @@ def publish(
     the chunks that changed are uploaded.
 
     The ladder levels need the model's codec profile: the first publish for a
-    model calibrates it (about two minutes for smollm2-135m on 2 CPUs) unless
-    the store or this machine already has one; see `kvcdn calibrate`.
+    model calibrates it (about three minutes for a 135M model on 2 CPUs) unless
+    the store or this machine already has one, or kvcdn ships one (the embedded
+    model's); see `kvcdn calibrate`.
 
     With --sign-key, readers that trust the key (--trust) can check that the
     KV they load is exactly what was published; see `kvcdn keys`. The signed
@@ -412,6 +413,21 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a crash leaves no half file)."""
+    import os
+
+    from kvcdn.errors import InputError
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def _signing_keys(paths: tuple[Path, ...]) -> list[SigningKey]:
     import os
 
@@ -529,6 +545,13 @@ def refresh(
     help="Calibration text (repeatable; each needs about 2,300 tokens or more). "
     "[default: the bundled man pages]",
 )
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Also write the profile to this file (safetensors), e.g. to ship it with a "
+    "deployment: a publish finds it in KVCDN_PROFILE_CACHE under its sha256.",
+)
 @store_option
 @endpoint_option
 @device_option
@@ -536,6 +559,7 @@ def refresh(
 def calibrate(
     model: str | None,
     docs: tuple[Path, ...],
+    out_file: Path | None,
     store: str | None,
     endpoint_url: str | None,
     device: str | None,
@@ -556,6 +580,10 @@ def calibrate(
     from kvcdn.models import load_model
     from kvcdn.profile_store import publish_profile
 
+    if out_file is not None and not out_file.parent.is_dir():
+        from kvcdn.errors import InputError
+
+        raise InputError(f"--out: the folder {out_file.parent} does not exist")
     texts = {p.stem: read_document(p) for p in docs} or None
     target = _open(store, endpoint_url, create=True)
     with err.status("loading model…"):
@@ -565,6 +593,8 @@ def calibrate(
             loaded, texts, progress=_progress_callback(progress, f"calibrate {loaded.name}")
         )
     ref = publish_profile(target, profile)
+    if out_file is not None:
+        _write_file(out_file, profile.to_bytes())
     levels = {name: spec.quality for name, spec in profile.levels.items()}
     if as_json:
         _emit_json(reports.calibrated(loaded.name, ref, levels, profile.calibration))

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 
 from . import paths
@@ -132,6 +133,29 @@ def local_profile(fingerprint: str) -> CodecProfile | None:
     return None
 
 
+def bundled_profile(fingerprint: str) -> CodecProfile | None:
+    """The profile shipped with kvcdn for ``fingerprint`` (the embedded model's), if any.
+
+    Calibrating the embedded model takes minutes on a laptop's CPUs; its profile is made
+    once by ``make embedded-profile`` and installed with the package, so a first publish
+    (``kvcdn demo``) starts at once. Any other model is calibrated on first use.
+    """
+    folder = resources.files("kvcdn") / "data" / "profiles"
+    if not folder.is_dir():
+        return None
+    for entry in sorted(folder.iterdir(), key=lambda f: f.name):
+        if not entry.name.endswith(".safetensors"):
+            continue
+        try:
+            profile = parse_profile(entry.read_bytes(), name=f"bundled profile {entry.name}")
+        except (FormatError, OSError) as exc:  # made by an older kvcdn: calibrate instead
+            log.warning("ignoring the bundled codec profile %s: %s", entry.name, exc)
+            continue
+        if profile.model_fingerprint == fingerprint:
+            return profile
+    return None
+
+
 def publish_profile(
     store: Store, profile: CodecProfile, sign_keys: Sequence[SigningKey] = ()
 ) -> ObjectRef:
@@ -158,7 +182,8 @@ def ensure_profile(
     sign_keys: Sequence[SigningKey] = (),
     trust: TrustPolicy | None = None,
 ) -> tuple[CodecProfile, ObjectRef]:
-    """The model's profile: from the store, else this machine's cache, else calibrate now.
+    """The model's profile: from the store, else this machine's cache, else the one
+    shipped with kvcdn, else calibrate now.
 
     A signing publisher (``sign_keys``) uses the store's profile only when its
     pointer is signed by one of its keys or a key of ``trust``: it vouches for
@@ -175,7 +200,7 @@ def ensure_profile(
     if found is not None:
         found[0].check_model(model.fingerprint, f"the codec profile in {store.url}")
         return found
-    profile = local_profile(model.fingerprint)
+    profile = local_profile(model.fingerprint) or bundled_profile(model.fingerprint)
     if profile is None:
         log.info("no codec profile for %s yet: calibrating", model.name)
         profile = calibrate(model, progress=progress)

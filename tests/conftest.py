@@ -17,7 +17,8 @@ SED_MANUAL = REPO / "cli" / "data" / "sed-manual.txt"  # `man sed`, a real docum
 def _isolated_home(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep tests away from the user's store and AWS profile."""
     os.environ["KVCDN_STORE"] = str(tmp_path_factory.mktemp("default-store"))
-    # A fresh profile cache: the suite calibrates the embedded model itself, once.
+    # A fresh profile cache: the embedded model's profile comes from the package
+    # (tests/test_calibrate.py checks it), never from an earlier run's cache.
     os.environ["KVCDN_PROFILE_CACHE"] = str(tmp_path_factory.mktemp("profiles"))
     # ... and measures this device itself, once: speeds measured by another process
     # (on a machine that was busy then) must not steer the planner's tests.
@@ -38,12 +39,9 @@ def model():
 
 @pytest.fixture(scope="session")
 def profile(_isolated_home, model):
-    """The embedded model's codec profile, calibrated for real on the bundled texts.
-
-    ``ensure_profile`` finds none in the fresh cache, so this runs the whole
-    calibration once per session; later publishes (in this process and in
-    subprocesses, which share the cache folder) reuse it.
-    """
+    """The embedded model's codec profile: the one shipped with kvcdn, which
+    ``make embedded-profile`` calibrated on the bundled texts (the suite calibrates
+    on shorter texts only, in tests/test_calibrate.py)."""
     from kvcdn.profile_store import ensure_profile
     from kvcdn.store import open_store
 
@@ -69,16 +67,6 @@ def sed_text() -> str:
 def short_text(sed_text: str) -> str:
     """The first ~700 tokens of the sed manual: a real document that prefills fast."""
     return sed_text[:3000]
-
-
-_PUBLISHING_MODULES = {"test_pipeline", "test_crash", "test_cli", "test_s3", "test_gc"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules that publish the ladder (some in subprocesses) calibrate first, once."""
-    for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in _PUBLISHING_MODULES:
-            item.fixturenames.append("profile")
 
 
 def signed_store(tmp_path_factory, model, documents: list[tuple[str, str]], levels: str = "int8"):

@@ -55,8 +55,8 @@ def test_every_json_output_is_specified():
 
 
 def test_calibrate_json_of_a_real_profile(profile, model):
-    """What `kvcdn calibrate --json` prints, from the session's real calibration
-    (running it again would cost a minute)."""
+    """What `kvcdn calibrate --json` prints, for the embedded model's real profile
+    (calibrating it again would cost minutes)."""
     from kvcdn.cli import reports
     from kvcdn.manifest import ObjectRef
 
@@ -65,6 +65,35 @@ def test_calibrate_json_of_a_real_profile(profile, model):
     data = parsed("calibrate", json.dumps(reports.calibrated(model.name, ref, levels,
                                                               profile.calibration)))
     assert set(data["levels"]) == set(LADDER) and data["profile"]["sha256"] == profile.sha256
+
+
+def test_calibrate_stores_the_profile_and_writes_it_out(random_llama, tmp_path):
+    """`kvcdn calibrate --out` writes the very profile it stores (what `make
+    embedded-profile` ships); an --out folder that is not there is refused before the
+    model is measured."""
+    import hashlib
+
+    from kvcdn.codec_profile import parse_profile
+    from kvcdn.profile_store import current_profile
+    from kvcdn.store import open_store
+    from tests.conftest import SED_MANUAL
+
+    runner = CliRunner()
+    args = ["calibrate", "--model", str(random_llama), "--docs", str(SED_MANUAL),
+            "--store", str(tmp_path / "store")]  # fmt: skip
+    bad = runner.invoke(cli, [*args, "--out", str(tmp_path / "no" / "such.safetensors")])
+    assert bad.exit_code == 2 and "does not exist" in bad.output, bad.output
+    assert not (tmp_path / "store").exists()
+    out = tmp_path / "profile.safetensors"
+    made = runner.invoke(cli, [*args, "--out", str(out), "--json"])
+    assert made.exit_code == 0, made.output
+    data = parsed("calibrate", made.stdout)
+    written = out.read_bytes()
+    assert hashlib.sha256(written).hexdigest() == data["profile"]["sha256"]
+    profile = parse_profile(written)
+    stored, ref = current_profile(open_store(str(tmp_path / "store")), profile.model_fingerprint)
+    assert ref.sha256 == stored.sha256 == profile.sha256
+    assert profile.calibration["texts"] == ["sed-manual"]
 
 
 def test_keys_json(tmp_path):
