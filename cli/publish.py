@@ -550,7 +550,7 @@ def refresh(
     "out_file",
     type=click.Path(dir_okay=False, writable=True, path_type=Path),
     help="Also write the profile to this file (safetensors), e.g. to ship it with a "
-    "deployment: a publish finds it in KVCDN_PROFILE_CACHE under its sha256.",
+    "deployment: a publish uses a profile file it finds in KVCDN_PROFILE_CACHE.",
 )
 @store_option
 @endpoint_option
