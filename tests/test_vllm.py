@@ -8,6 +8,7 @@ One engine serves the whole module (tests/vllm_driver.py, 20-40 s to start); the
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib.util
@@ -125,7 +126,20 @@ def _engine(tmp: Path, folder: str, extra: dict, **options):
         assert engine.read_reply(timeout_s=400)["ready"]
         yield engine
     finally:
+        # vLLM's own graceful shutdown takes about 7 s (its worker, then the engine
+        # core's 5 s timeout): the next tests run meanwhile, and the session's end
+        # waits for it
         proc.stdin.close()
+        _STOPPING.append(proc)
+
+
+#: Drivers told to stop, waited for when the session ends.
+_STOPPING: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _wait_for_stopping_drivers() -> None:
+    for proc in _STOPPING:
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
