@@ -154,6 +154,16 @@ def _parse_size(value: str, option: str) -> int:
     "requests with one of these keys (AWS Signature V4).",
 )
 @click.option(
+    "--pointer-ttl",
+    default=5,  # edge.fill.POINTER_TTL_S (not imported: the CLI starts without aiohttp)
+    show_default=True,
+    type=click.IntRange(min=0, max=86400),
+    metavar="SECONDS",
+    help="Reuse a latest pointer (and, without --trust, a manifest) this long before asking "
+    "the origin again; also its Cache-Control max-age. Longer: fewer origin requests, "
+    "slower to see a new version. 0 asks on every request (concurrent ones share a fetch).",
+)
+@click.option(
     "--max-stale",
     default=86400.0,
     show_default=True,
@@ -183,6 +193,7 @@ def edge_serve(
     worker_name: str | None,
     trust_file: Path | None,
     s3_keys_file: Path | None,
+    pointer_ttl: int,
     max_stale: float,
     endpoint_url: str | None,
 ) -> None:
@@ -276,6 +287,7 @@ def edge_serve(
         shaper=_shaper(rate_limit, throttle_trace, throttle_scale, throttle_offset),
         trust=trust,
         s3_keys=s3_keys,
+        pointer_ttl_s=pointer_ttl,
         max_stale_s=max_stale,
         admin_open=loopback,
         worker=worker_name,

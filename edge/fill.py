@@ -50,7 +50,7 @@ from .verify import (
 
 log = logging.getLogger(__name__)
 
-POINTER_TTL_S = 5.0  # how long the edge itself reuses a pointer (latest.json, ...)
+POINTER_TTL_S = 5  # how long the edge itself reuses a pointer (latest.json, ...), by default
 LISTING_TTL_S = 5.0  # and a listing of the origin
 MAX_STALE_S = 86400.0  # a pointer is served this stale at most while the origin is down
 
@@ -221,8 +221,9 @@ class Filler:
     """What the edge holds or fetches for a key, and what its origins list.
 
     ``origins`` are asked in order; ``trust`` (publisher keys) decides what
-    verifies and what is revalidated; ``max_stale_s`` bounds how stale a
-    revalidated copy may be served while the origins are down.
+    verifies and what is revalidated; ``pointer_ttl_s`` is how long a revalidated
+    copy is reused before the origin is asked again; ``max_stale_s`` bounds how
+    stale one may be served while the origins are down.
     """
 
     def __init__(
@@ -232,12 +233,14 @@ class Filler:
         metrics: Metrics,
         *,
         trust: TrustPolicy | None = None,
+        pointer_ttl_s: int = POINTER_TTL_S,
         max_stale_s: float = MAX_STALE_S,
     ) -> None:
         self.cache = cache
         self.origins = origins
         self.metrics = metrics
         self.trust = trust
+        self.pointer_ttl_s = pointer_ttl_s
         self.max_stale_s = max_stale_s
         self._inflight: dict[str, _Fill] = {}  # at most MAX_FILLS
         self._keeping: dict[str, asyncio.Task[None]] = {}  # disk writes of pointers
@@ -314,7 +317,7 @@ class Filler:
         then fetched again; served stale, with a warning, while the origin is down."""
         held = self.pointers.get(key)
         now = time.monotonic()
-        if held is not None and now - held[0] < POINTER_TTL_S:
+        if held is not None and now - held[0] < self.pointer_ttl_s:
             self.metrics.hits += 1
             return Found(held[2].etag, len(held[1]), data=held[1])
         try:
@@ -463,14 +466,14 @@ class Filler:
 
     async def _revalidate_shared(self, key: str, info: KeyInfo) -> Filled:
         """(Holding the key's lock.) A pointer a sibling fetched less than
-        :data:`POINTER_TTL_S` ago (its disk copy, written or touched at each fetch, as
+        :attr:`pointer_ttl_s` ago (its disk copy, written or touched at each fetch, as
         this one's is): verified from its bytes and reused, so N workers ask the origin
         as often as one does. Fetched here otherwise."""
         entry = self.cache.lookup(key) or self.cache.load(key)
         if entry is not None:
             try:
                 age = time.time() - entry.path.stat().st_mtime
-                if 0 <= age < POINTER_TTL_S:
+                if 0 <= age < self.pointer_ttl_s:
                     verified, data = await asyncio.to_thread(
                         _verify_path, entry.path, key, info, self.trust
                     )

@@ -33,7 +33,7 @@ from kvcdn.signing import TrustPolicy
 from .admin import MAX_BODY, Admin
 from .auth import Access
 from .cache import DiskCache
-from .fill import MAX_STALE_S, FetchError, Filler
+from .fill import MAX_STALE_S, POINTER_TTL_S, FetchError, Filler
 from .metrics import Metrics
 from .origin import Origin
 from .respond import answer, s3_error
@@ -84,6 +84,7 @@ class Edge:
         shaper: LinkShaper | None = None,
         trust: TrustPolicy | None = None,
         s3_keys: S3Keys | None = None,
+        pointer_ttl_s: int = POINTER_TTL_S,
         max_stale_s: float = MAX_STALE_S,
         admin_open: bool = True,
         worker: str | None = None,
@@ -99,7 +100,8 @@ class Edge:
         self.view = view or BucketView("kvcdn")
         self.shaper = shaper  # sends bodies no faster than a rate or a trace
         self.metrics = Metrics()
-        self.fill = Filler(cache, origins, self.metrics, trust=trust, max_stale_s=max_stale_s)
+        self.fill = Filler(cache, origins, self.metrics, trust=trust,
+                           pointer_ttl_s=pointer_ttl_s, max_stale_s=max_stale_s)  # fmt: skip
         board = None
         if worker is not None and cache.shared is not None:
             board = JobBoard(cache.root / "warm-jobs", cache.shared)
@@ -247,11 +249,10 @@ class Edge:
                     exc.status, ERROR_CODES.get(exc.status, "InternalError"), str(exc), key
                 )
             return web.Response(status=exc.status, text=f"{exc}\n")
+        control = cache_control(info, self.trust, self.fill.pointer_ttl_s)
         try:
-            return answer(
-                request, key, found, cache_control=cache_control(info, self.trust), s3=s3,
-                metrics=self.metrics, shaper=self.shaper,
-            )  # fmt: skip
+            return answer(request, key, found, cache_control=control, s3=s3, metrics=self.metrics,
+                          shaper=self.shaper)  # fmt: skip
         finally:
             found.release()  # FileBody takes its own handle; anything unsent is closed here
 

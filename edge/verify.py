@@ -42,7 +42,9 @@ from kvcdn.manifest import (
 from kvcdn.signing import PROFILE_POINTER_TYPE, TrustPolicy, open_document
 
 IMMUTABLE = "public, max-age=31536000, immutable"
-REVALIDATE = "public, max-age=5, must-revalidate"
+#: ``max-age``: how long the edge itself reuses the pointer (``--pointer-ttl``), so a
+#: cache below it holds the copy no longer than the edge does.
+REVALIDATE = "public, max-age={ttl}, must-revalidate"
 
 
 class VerifyError(Exception):
@@ -82,8 +84,10 @@ def revalidated(info: KeyInfo, trust: TrustPolicy | None) -> bool:
     return info.mutable or (info.kind == "manifest" and trust is None)
 
 
-def cache_control(info: KeyInfo, trust: TrustPolicy | None) -> str:
-    return REVALIDATE if revalidated(info, trust) else IMMUTABLE
+def cache_control(info: KeyInfo, trust: TrustPolicy | None, pointer_ttl_s: int) -> str:
+    if revalidated(info, trust):
+        return REVALIDATE.format(ttl=pointer_ttl_s)
+    return IMMUTABLE
 
 
 #: Kinds whose bytes are checked by the sha256 in their key: never read into memory.

@@ -72,12 +72,15 @@ def test_signed_manifests_are_kept_for_good_and_unsigned_ones_refused(origin, tm
 
 def test_the_edge_never_goes_back_to_an_older_signed_pointer(origin, tmp_path):
     root, _, trust_file, old_pointer = origin
-    node = EdgeProcess(str(root), tmp_path / "cache", None, "--trust", str(trust_file)).start()
+    node = EdgeProcess(str(root), tmp_path / "cache", None, "--trust", str(trust_file),
+                       "--pointer-ttl", "1").start()  # fmt: skip
     try:
         url = f"{node.url}/{latest_key('guide')}"
-        assert payload(get(url)[2])["version"] == 2
+        status, headers, body = get(url)
+        assert payload(body)["version"] == 2
+        assert headers["Cache-Control"] == "public, max-age=1, must-revalidate"
         (root / latest_key("guide")).write_bytes(old_pointer)  # a replayed, validly signed v1
-        time.sleep(5.2)  # the edge reuses a pointer for 5 s, then asks the origin again
+        time.sleep(1.2)  # the edge reuses a pointer for --pointer-ttl, then asks the origin
         assert payload(get(url)[2])["version"] == 2
         assert node.metrics()["kvcdn_edge_rollbacks_refused_total"] == 1
     finally:
@@ -86,13 +89,14 @@ def test_the_edge_never_goes_back_to_an_older_signed_pointer(origin, tmp_path):
 
 def test_origin_down_pointers_stale_misses_say_origin_unavailable(origin, model, tmp_path):
     root, key, trust_file, _ = origin
-    node = EdgeProcess(str(root), tmp_path / "cache", None, "--trust", str(trust_file)).start()
+    node = EdgeProcess(str(root), tmp_path / "cache", None, "--trust", str(trust_file),
+                       "--pointer-ttl", "1").start()  # fmt: skip
     try:
         trust = TrustPolicy([key.public])
         ctx = sdk.load_context("guide", model=model, edges=[node.url], quality=LEVEL, trust=trust)
         assert ctx.manifest.version == 2
         root.rename(root.with_name("gone"))  # the origin disappears
-        time.sleep(5.2)  # past the pointer's freshness
+        time.sleep(1.2)  # past the pointer's freshness (--pointer-ttl)
         status, headers, _ = get(f"{node.url}/{latest_key('guide')}")
         assert status == 200 and headers["Warning"] == '110 - "Response is Stale"'
         # What the edge already holds still loads: the pointer stale, the rest cached.

@@ -401,12 +401,12 @@ def test_an_edge_serves_a_stale_pointer_until_its_expiry_and_never_after(
     signed, model, sed_text, tmp_path, with_trust
 ):
     root, key, trust_file, _ = signed
-    extra = ("--trust", str(trust_file)) if with_trust else ()
+    extra = ("--pointer-ttl", "1", *(("--trust", str(trust_file)) if with_trust else ()))
     node = EdgeProcess(str(root), tmp_path / "cache", None, *extra).start()
     gone = root.with_name("gone")
     try:
         publish(text=sed_text[:2000], name="guide", model=model, store=str(root), levels=LEVEL,
-                sign_keys=[key], pointer_valid_for=15)  # fmt: skip
+                sign_keys=[key], pointer_valid_for=8)  # fmt: skip
         expires = parse_expiry(pointer_of(root)["expires"], "expires")
         url = f"{node.url}/{latest_key('guide')}"
         status, headers, body = get(url)
@@ -414,7 +414,7 @@ def test_an_edge_serves_a_stale_pointer_until_its_expiry_and_never_after(
         assert payload(body)["expires"] == format_expiry(expires)
 
         root.rename(gone)  # the origin goes down
-        time.sleep(5.2)  # past the 5 s the edge reuses a pointer without asking
+        time.sleep(1.2)  # past the --pointer-ttl the edge reuses a pointer without asking
         status, headers, body = get(url)
         assert time.time() < expires, "the machine was too slow to see the stale window"
         assert status == 200 and headers["Warning"] == '110 - "Response is Stale"'
@@ -448,7 +448,8 @@ def test_an_edge_passes_on_an_expired_pointer_from_its_origin_and_readers_refuse
     root, key, trust_file, _ = signed
     expired = math.floor(time.time()) - 60
     write_pointer(root, key, 1, expired)
-    node = EdgeProcess(str(root), tmp_path / "cache", None, "--trust", str(trust_file)).start()
+    node = EdgeProcess(str(root), tmp_path / "cache", None, "--trust", str(trust_file),
+                       "--pointer-ttl", "1").start()  # fmt: skip
     gone = root.with_name("gone")
     try:
         url = f"{node.url}/{latest_key('guide')}"
@@ -470,7 +471,7 @@ def test_an_edge_passes_on_an_expired_pointer_from_its_origin_and_readers_refuse
         assert reader.fetch(manifest_key("guide", 1)).source == node.url
         # the origin down, it is not served stale either
         root.rename(gone)
-        time.sleep(5.2)
+        time.sleep(1.2)  # past --pointer-ttl
         status, _, body = get(url)
         assert status == 502 and b"expired at" in body
     finally:
