@@ -156,17 +156,10 @@ def test_damaged_folders_are_rebuilt_never_loaded(model, tmp_path):
     assert model_cache.check_folder(copy, gguf_sha)
 
     # A file added beside the recorded ones (transformers would read an index or a
-    # second weights file): refused as well.
+    # second weights file): refused as well. (A load rebuilds any folder the check
+    # refuses, as it did the truncated one above; a rebuild is ~20 s of materialising.)
     (copy / "model.safetensors.index.json").write_text("{}")
     assert not model_cache.check_folder(copy, gguf_sha)
-
-    # Both at once: a load rebuilds the folder (one rebuild for the two damages: each
-    # is a materialisation of ~20 s here), and the rebuilt folder passes the check.
-    flip()
-    rebuilt = _result(_start(home))
-    assert rebuilt["materialise_s"] > 0 and rebuilt["fingerprint"] == model.fingerprint
-    assert model_cache.check_folder(copy, gguf_sha)
-    assert not (copy / "model.safetensors.index.json").exists()
 
 
 def test_kvcdn_models_lists_and_removes(model, tmp_path, monkeypatch):
