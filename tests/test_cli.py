@@ -244,7 +244,8 @@ def test_user_mistakes_get_one_line_and_an_exit_code(args, message, code, tmp_pa
 
 @pytest.mark.parametrize(
     "option, value",
-    [("--max-bytes", "1e400"), ("--rate-limit", "1e999M"), ("--throttle-trace", "BINARY")],
+    [("--max-bytes", "1e400"), ("--rate-limit", "1e999M"), ("--throttle-trace", "BINARY"),
+     ("--pointer-ttl", "-1")],
 )
 def test_edge_options_out_of_range_are_usage_errors(option, value, tmp_path):
     (tmp_path / "blob").write_bytes(b"\xff\xfe\0\1")
@@ -253,6 +254,17 @@ def test_edge_options_out_of_range_are_usage_errors(option, value, tmp_path):
                  option, value)  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "Error: Invalid value for" in result.stderr
+
+
+def test_edge_serve_defaults_are_the_edges_own():
+    """The CLI states some of the edge's defaults without importing it (start-up time):
+    they must not drift apart."""
+    from kvcdn.edge.fill import MAX_STALE_S, POINTER_TTL_S
+
+    serve = cli.commands["edge"].commands["serve"]
+    defaults = {p.name: p.default for p in serve.params}
+    assert defaults["pointer_ttl"] == POINTER_TTL_S
+    assert defaults["max_stale"] == MAX_STALE_S
 
 
 def test_cli_never_loads_kv_of_a_corrupted_object(model, short_text, tmp_path):
