@@ -13,11 +13,15 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 8, 4, 64, 512
 CONTEXT = 40960
 
 
-def build_random_llama(folder: Path) -> Path:
+def build_random_llama(folder: Path, query_heads: int = HEADS) -> Path:
     """The model in ``folder``: bf16 safetensors and the embedded model's tokenizer (so
     documents are framed as for the real model). Its text is meaningless, but an
     engine's own prefill is a baseline loaded KV must match. Weights drawn wider than
-    the default (``initializer_range``) make greedy answers vary token to token."""
+    the default (``initializer_range``) make greedy answers vary token to token.
+
+    ``query_heads``: 8 (grouped-query attention, as the benchmarks measure), or 4, one
+    a KV head: the same KV, which is all kvcdn moves, at half the attention's cost
+    (the suite's 33K-token prefills)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -27,7 +31,7 @@ def build_random_llama(folder: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        num_hidden_layers=LAYERS, num_attention_heads=query_heads, num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM, max_position_embeddings=CONTEXT, rope_theta=100000.0,
         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -22,9 +22,9 @@ from kvcdn.container import parse_index
 from kvcdn.document import read_document
 from kvcdn.publish import publish
 from kvcdn.store import open_store
-from tests.conftest import REPO, SED_MANUAL
+from tests.conftest import SED_MANUAL
 from tests.edge_helpers import EdgeProcess
-from tests.test_vllm import QUESTION, VLLM_LINE, _engine, _kl, _prompt
+from tests.test_vllm import QUESTION, VLLM_LINE, _engine, _kl, _prompt, git_excerpt
 
 pytestmark = [
     pytest.mark.vllm,
@@ -232,8 +232,8 @@ def test_a_section_corrupt_for_one_worker_is_recomputed_by_all(
 
 @pytest.fixture(scope="module")
 def git_by_vllm(tmp_path_factory, random_llama, llama_store) -> str:
-    """``kvcdn publish --engine vllm --tensor-parallel-size 2`` of git's manual into the
-    engines' store (as ``git``); its text."""
+    """``kvcdn publish --engine vllm --tensor-parallel-size 2`` of the start of git's
+    manual into the engines' store (as ``git``); its text."""
     import subprocess
     import sys
 
@@ -241,7 +241,7 @@ def git_by_vllm(tmp_path_factory, random_llama, llama_store) -> str:
     from tests.test_vllm import _vllm_env
 
     tmp = tmp_path_factory.mktemp("vllm-publish")
-    text = read_document(REPO / "kvcdn" / "data" / "calibration" / "git.txt")
+    text = git_excerpt()
     doc = tmp / "git.txt"
     doc.write_text(text)
     env = {k: v for k, v in _vllm_env(tmp).items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
