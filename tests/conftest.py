@@ -23,6 +23,13 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory) -> None:
     # ... and measures this device itself, once: speeds measured by another process
     # (on a machine that was busy then) must not steer the planner's tests.
     os.environ["KVCDN_SPEED_CACHE"] = str(tmp_path_factory.mktemp("speeds") / "device-speed.json")
+    # vLLM's and torch inductor's caches of what they compile (C++ kernels, even in eager
+    # mode): shared by the session's vLLM processes, each of which would compile the same
+    # kernels again in a folder of its own (about 16 s of an engine's start and first
+    # step), and kept out of the user's.
+    compiled = tmp_path_factory.mktemp("compile-caches")
+    os.environ["VLLM_CACHE_ROOT"] = str(compiled / "vllm")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compiled / "inductor")
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "kvcdn-test")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "kvcdn-test-secret")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

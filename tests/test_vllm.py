@@ -55,12 +55,11 @@ VLLM_LINE = re.compile(r"^\(\S+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \
 KL_BOUND = 0.05
 
 
-def _vllm_env(tmp: Path) -> dict[str, str]:
+def _vllm_env() -> dict[str, str]:
+    """A vLLM process's environment: the session's (its compile caches: conftest)."""
     env = os.environ.copy()
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",  # GiB: the default check fails on these machines
-        VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
-        TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"),
         VLLM_LOGGING_LEVEL="WARNING",
         VLLM_LOGGING_STREAM="ext://sys.stderr",
         PYTHONUNBUFFERED="1",
@@ -111,7 +110,7 @@ def store_dir(tmp_path_factory, model, profile) -> Path:
 def _engine(tmp: Path, folder: str, extra: dict, **options):
     """The driver with a kvcdn connector configured by ``extra``; ``options``: more of
     the driver's configuration (``tensor_parallel_size``) and of its environment."""
-    env = _vllm_env(tmp)
+    env = _vllm_env()
     env.update(options.pop("env", {}))
     config = {"folder": folder, "capture_dir": str(tmp), "extra": extra, **options}
     log = tmp / "driver.log"
@@ -397,7 +396,7 @@ def test_publish_with_vllm_loads_in_both_engines(engine, model, store_dir, tmp_p
     doc = tmp_path / "git.txt"
     doc.write_text(text)
     store = store_dir  # the one the engine's connector reads
-    env = _vllm_env(tmp_path)
+    env = _vllm_env()
     done = subprocess.run(
         [sys.executable, "-m", "kvcdn.cli.main", "publish", str(doc), "--engine", "vllm",
          "--store", str(store), "--levels", "fp16,int8", "--json"],
@@ -511,7 +510,7 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
              "--block-size", "256", "--enforce-eager", "--max-model-len", "8192",
              "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
              "--kv-transfer-config", json.dumps(transfer)],
-            stdout=out, stderr=subprocess.STDOUT, env=_vllm_env(tmp_path),
+            stdout=out, stderr=subprocess.STDOUT, env=_vllm_env(),
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:

@@ -244,7 +244,7 @@ def git_by_vllm(tmp_path_factory, random_llama, llama_store) -> str:
     text = git_excerpt()
     doc = tmp / "git.txt"
     doc.write_text(text)
-    env = {k: v for k, v in _vllm_env(tmp).items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    env = {k: v for k, v in _vllm_env().items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     done = subprocess.run(
         [sys.executable, "-m", "kvcdn.cli.main", "publish", str(doc), "--engine", "vllm",
          "--tensor-parallel-size", "2", "--model", str(random_llama), "--store",
