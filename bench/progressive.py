@@ -1,7 +1,7 @@
 """Nested ladder against independent levels: sizes, quality and decode speed, one run.
 
     python bench/progressive.py [--docs FILE ...] [--context-tokens 2048] [--design]
-                                [--base-bits 1.4] [--json OUT.json]
+                                [--base-bits 1.4] [--contexts] [--json OUT.json]
 
 On documents that are not calibration texts (bash(1) from character 60,000, curl(1),
 grep(1), and a seed text where it exists, as ``bench/codec.py``), every level of both
@@ -35,6 +35,10 @@ after the 4 exact sinks (real objects add tables, coder states and indexes).
 Also measured, as the design's ablation: the first refinement made by splitting
 every cell in two (a midrise quantiser of half the base step) against the
 midtread quantiser of the same step.
+
+``--contexts`` adds what the profile's nested symbols would cost coded with the
+previous token's symbol as context (:mod:`codecbench.contexts`): tables built on the
+calibration texts, code lengths on the held-out documents, beside today's scheme.
 
 Writes a table and ``bench/results/progressive.json`` (or ``--json``).
 """
@@ -72,6 +76,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="model (default: the embedded one)")
     p.add_argument("--design", action="store_true",
                    help="also plan a ladder by real-KL bisection and compare entropy estimates")
+    p.add_argument("--contexts", action="store_true",
+                   help="also estimate the nested symbols' cost with the previous token as context")
+    p.add_argument("--no-real", action="store_true",
+                   help="skip the real objects (with --design or --contexts)")
     p.add_argument("--json", type=Path, default=RESULTS / "progressive.json")
     return p.parse_args()  # fmt: skip
 
@@ -104,8 +112,11 @@ def main() -> int:
     if not samples:
         warn("no document was long enough")
         return 1
-    out: dict[str, Any] = {"model": model.name, "context_tokens": args.context_tokens,
-                           "real": real_objects(console, model, profile, samples)}  # fmt: skip
+    out: dict[str, Any] = {"model": model.name, "context_tokens": args.context_tokens}
+    if not args.no_real:
+        out["real"] = real_objects(console, model, profile, samples)
+    if args.contexts:
+        out["contexts"] = contexts_study(console, args, model, profile, samples)
     if args.design:
         out["design"] = design_study(console, args, model, profile, samples)
     out["seconds"] = time.perf_counter() - started
@@ -219,6 +230,49 @@ def _best(fn: Any, repeat: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def contexts_study(console: Any, args: argparse.Namespace, model: Any, profile: Any,
+                   samples: dict[str, tuple[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """Today's nested symbol coding against tables chosen by the previous token's
+    symbol, both with tables built on the calibration texts (:mod:`codecbench.contexts`)."""
+    import numpy as np
+    import torch
+    from codecbench.contexts import context_study
+    from rich.table import Table
+
+    from kvcdn import progressive as pg
+    from kvcdn.calibrate import bundled_texts, calibration_samples
+
+    sinks, mean, spec = profile.sinks, profile.mean, profile.nested
+    depth = spec.depth.reshape(len(spec.tiers), -1).astype(np.int64)
+    fine = spec.fine_step.reshape(-1).astype(np.float64)
+    plan = pg.NestedPlan(fine * 3.0 ** depth[-1], depth)
+    t = time.perf_counter()
+    calib = calibration_samples(model, bundled_texts(), args.context_tokens)
+    body = torch.cat([s.kv[:, :, :, sinks:] for s in calib], dim=3).numpy()
+    docs = {doc: pg.streams_of(sample.kv[:, :, :, sinks:].numpy(), mean)
+            for doc, (_, sample) in samples.items()}  # fmt: skip
+    result = context_study(pg.streams_of(body, mean), docs, plan, body)
+    log(f"contexts study in {time.perf_counter() - t:.0f} s")
+    table = Table(title=f"Nested symbols with the previous token as context: {model.name}, "
+                  f"mean of {len(docs)} held-out documents, tables from the calibration "
+                  "texts (bits: code lengths, tokens after the sinks)")  # fmt: skip
+    for col in ("tier", "today bits", "previous-token bits", "ratio", "tables today",
+                "tables previous"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for k, name in enumerate(spec.tiers):
+        a, b = result["bits"]["today"][k], result["bits"]["previous"][k]
+        table.add_row(name, f"{a:.3f}", f"{b:.3f}", f"{b / a:.3f}x",
+                      str(sum(result["tables"]["today"][: k + 1])),
+                      str(sum(result["tables"]["previous"][: k + 1])))  # fmt: skip
+    console.print(table)
+    q = result["lag1_correlation_quartiles"]
+    g = result["klt_gain_bits"]
+    console.print(f"lag-1 correlation of the calibration streams, quartiles {q[0]:.2f} "
+                  f"{q[1]:.2f} {q[2]:.2f}; a KLT per head could save at most K {g['K']:.3f}, "
+                  f"V {g['V']:.3f} bits per element (high-resolution coding gain)")  # fmt: skip
+    return result
 
 
 def design_study(console: Any, args: argparse.Namespace, model: Any, profile: Any,
