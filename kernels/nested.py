@@ -7,10 +7,16 @@ the number of splits of the finest tier and ``fine`` the step of that tier:
 * the finest index ``nJ = clip(rint((x - mean) / fine), lo * 3**J - h, hi * 3**J + h)``
   (float32 arithmetic; ``h = (3**J - 1) / 2``, ``[lo, hi]`` the base table's range);
 * tier ``r``'s index ``n_r = floor((nJ + u_r // 2) / u_r)``, ``u_r = 3**(J - depth[r])``;
-* tier 0 codes ``n_0 - lo`` with the lane's base table; tier ``r > 0`` codes, for the
-  lanes it splits (``depth[r] > depth[r - 1]``), ``c = n_r - 3 n_{r-1} + 1`` turned to
-  count from the mean's side (``2 - c`` where ``n_{r-1} < 0``) with the table of
-  context ``min(|n_{r-1}|, 2)``;
+* tier 0 codes ``n_0 - lo`` with the lane's base table of context ``1 + sign(p_0)``,
+  ``p_0`` the previous token's ``n_0`` in the lane (0 before the chunk's first token);
+  tier ``r > 0`` codes, for the lanes it splits (``depth[r] > depth[r - 1]``),
+  ``c = n_r - 3 n_{r-1} + 1`` turned to count from the mean's side (``s = 2 - c``
+  where ``n_{r-1} < 0``) with the table of context ``3 min(|n_{r-1}|, 2) + p_s``,
+  ``p_s`` the previous token's ``s`` in the lane at this tier (1 before the first);
+* a lane's tables of the contexts of one parent cell are consecutive: the kernels take
+  the table of the first (``base_tid`` at ``p_0 < 0``; ``refine_tid`` at each parent
+  context, ``p_s = 0``) and add ``stride`` times the context's rest (1; 0 for a
+  profile whose tables do not depend on the previous token, made before they did);
 * decoding tiers ``0..k`` gives ``n_k``, and the value
   ``mean + float32(n_k * 3**(J - depth[k])) * fine``: the product is exact (``fine``
   has 4 significant bits, the integer fewer than 16), so a value is rounded once,
@@ -63,8 +69,15 @@ def _finest(x, mean, fine, top, lo, size, out):  # pragma: no cover - jitted
             out[t, d] = np.int64(q)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _at_depth(nj, t, d, up):  # pragma: no cover - jitted
+    """The index of token ``t``, lane ``d`` at a tier ``up = 3**(top - depth)`` below the
+    finest."""
+    return (nj[t, d] + (up - 1) // 2) // up
+
+
 @njit(cache=True, nogil=True)
-def _encode_tier(nj, r, depth, top, lo, base_tid, refine_tid, freqs, starts, scratch,
+def _encode_tier(nj, r, depth, top, lo, base_tid, refine_tid, stride, freqs, starts, scratch,
                  states):  # pragma: no cover - jitted  # fmt: skip
     """Tier ``r`` of one group: its symbols rANS-coded in reverse order into
     ``scratch``; returns the number of words."""
@@ -81,19 +94,17 @@ def _encode_tier(nj, r, depth, top, lo, base_tid, refine_tid, freqs, starts, scr
         for d in range(D - 1, -1, -1):
             if r == 0:
                 up = _pow3(top[d] - depth[0, d])
-                s = (nj[t, d] + (up - 1) // 2) // up - lo[d]
-                tab = base_tid[d]
+                s = _at_depth(nj, t, d, up) - lo[d]
+                prev = _at_depth(nj, t - 1, d, up) if t > 0 else 0
+                tab = base_tid[d] + (0 if prev < 0 else (1 if prev == 0 else 2)) * stride
             else:
                 if depth[r, d] == depth[r - 1, d]:
                     continue
                 up = _pow3(top[d] - depth[r, d])
-                child = (nj[t, d] + (up - 1) // 2) // up
-                upp = up * 3
-                parent = (nj[t, d] + (upp - 1) // 2) // upp
-                c = child - 3 * parent + 1
-                s = 2 - c if parent < 0 else c
-                ctx = min(abs(parent), 2)
-                tab = refine_tid[r - 1, ctx, d]
+                s = _symbol(nj, t, d, up)
+                ps = _symbol(nj, t - 1, d, up) if t > 0 else 1
+                parent = _at_depth(nj, t, d, up * 3)
+                tab = refine_tid[r - 1, min(abs(parent), 2), d] + ps * stride
             f = np.uint64(freqs[tab, s])
             i = coded[d] % STATES
             xd = x[i]
@@ -107,9 +118,19 @@ def _encode_tier(nj, r, depth, top, lo, base_tid, refine_tid, freqs, starts, scr
     return n
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _symbol(nj, t, d, up):  # pragma: no cover - jitted
+    """Token ``t``'s refinement symbol in lane ``d`` at the tier ``up`` below the finest,
+    counted from the mean's side."""
+    child = _at_depth(nj, t, d, up)
+    parent = _at_depth(nj, t, d, up * 3)
+    c = child - 3 * parent + 1
+    return 2 - c if parent < 0 else c
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def _encode(g0, g1, x, mean, fine, top, depth, lo, size, base_tid, refine_tid, freqs, starts,
-            scratch, lengths, states):  # pragma: no cover - jitted  # fmt: skip
+def _encode(g0, g1, x, mean, fine, top, depth, lo, size, base_tid, refine_tid, stride, freqs,
+            starts, scratch, lengths, states):  # pragma: no cover - jitted  # fmt: skip
     G, T, D = x.shape
     R = depth.shape[0]
     nj = np.empty((T, D), dtype=np.int64)
@@ -117,8 +138,8 @@ def _encode(g0, g1, x, mean, fine, top, depth, lo, size, base_tid, refine_tid, f
         _finest(x[g], mean[g], fine[g], top[g], lo[g], size[g], nj)
         for r in range(R):
             lengths[r, g] = _encode_tier(nj, r, depth[:, g], top[g], lo[g], base_tid[g],
-                                         refine_tid[:, :, g], freqs, starts, scratch[r, g],
-                                         states[r, g])  # fmt: skip
+                                         refine_tid[:, :, g], stride, freqs, starts,
+                                         scratch[r, g], states[r, g])  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
@@ -134,12 +155,14 @@ def _gather(g0, g1, scratch, lengths, word_start, words):  # pragma: no cover - 
 
 def encode(
     x: np.ndarray, mean: np.ndarray, fine: np.ndarray, depth: np.ndarray, lo: np.ndarray,
-    size: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, freqs: np.ndarray,
+    size: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, stride: int,
+    freqs: np.ndarray,
 ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:  # fmt: skip
     """Quantise ``x [G, T, D]`` (float32, mean not removed) into every tier and code it.
 
     ``mean``, ``fine``, ``lo``, ``size``, ``base_tid``: ``[G, D]``; ``depth [R, G, D]``;
-    ``refine_tid [R - 1, 3, G, D]``. Returns ``states [R, G, STATES]``, each tier's
+    ``refine_tid [R - 1, 3, G, D]``; ``stride`` 1 where the tables depend on the
+    previous token, else 0 (the module's docstring). Returns ``states [R, G, STATES]``, each tier's
     words, and ``word_start [R, G + 1]`` (group ``g`` of tier ``r`` is
     ``words[r][word_start[r, g]:word_start[r, g + 1]]``).
     """
@@ -156,7 +179,8 @@ def encode(
         np.ascontiguousarray(mean, dtype=np.float32), np.ascontiguousarray(fine, dtype=np.float32),
         top, depth, np.ascontiguousarray(lo, dtype=np.int64),
         np.ascontiguousarray(size, dtype=np.int64), np.ascontiguousarray(base_tid, dtype=np.int64),
-        np.ascontiguousarray(refine_tid, dtype=np.int64), freqs32, cumulative(freqs32),
+        np.ascontiguousarray(refine_tid, dtype=np.int64), _stride(stride), freqs32,
+        cumulative(freqs32),
         scratch, lengths, states,
     )  # fmt: skip
     word_start = np.zeros((R, G + 1), dtype=np.int64)
@@ -166,9 +190,23 @@ def encode(
     return states, [flat[r, : word_start[r, -1]].copy() for r in range(R)], word_start
 
 
+def _stride(stride: int) -> int:
+    if stride not in (0, 1):
+        raise ValueError("stride must be 0 or 1")
+    return int(stride)
+
+
 _U = np.uint64
 _UMASK = _U(_MASK)
 _UL = _U(RANS_L)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _base_row(rows, d, prev, stride):  # pragma: no cover - jitted
+    """The first LUT entry of lane ``d``'s base table in the context of the previous
+    token's base index ``prev`` (the table ``1 + sign(prev)`` after ``rows[d]``'s, times
+    ``stride``), without a branch."""
+    return rows[d] + ((_U(1) + _U(prev > 0) - _U(prev < 0)) * stride << _U(PROB_BITS))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -185,29 +223,35 @@ def _base_symbol(x, row, lut, words, p, last):  # pragma: no cover - jitted
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _refinement(at, x, lanes, n, cut, ent, words, p, last):  # pragma: no cover - jitted
-    """Coded lane ``at``'s next refinement symbol, applied to its index ``n[lanes[at]]``:
-    (new state, new position). A ternary table needs no LUT: the symbol is the count
-    of its two cut points (``cut``) at or below the slot, and ``ent`` holds each
-    symbol's ``freq | start << 16`` (per lane and context)."""
+def _refinement(at, x, lanes, n, prev, cuts, words, p, last):  # pragma: no cover - jitted
+    """Coded lane ``at``'s next refinement symbol, applied to its index ``n[lanes[at]]``
+    (``prev[at]``: the lane's symbol at the previous token): (new state, new
+    position). A ternary table needs no LUT: the symbol is the count of its two cut
+    points at or below the slot (``cuts``: ``first | second << 16`` per lane and
+    context), its start and end the cut points around it."""
     d = lanes[at]
     parent = n[d]
     a = _U(abs(parent))
-    at3 = at * _U(3) + _U(a != _U(0)) + _U(a > _U(1))  # context min(|parent|, 2)
+    # context 3 min(|parent|, 2) + the previous symbol
+    cc = _U(cuts[at * _U(9) + (_U(a != _U(0)) + _U(a > _U(1))) * _U(3) + prev[at]])
+    first, second = cc & _U(0xFFFF), cc >> _U(16)
     slot = x & _UMASK
-    s = ((cut[at3 * _U(2)] - _U(1) - slot) >> _U(63)) + (
-        (cut[at3 * _U(2) + _U(1)] - _U(1) - slot) >> _U(63))  # fmt: skip
-    e = ent[at3 * _U(3) + s]
-    v = (e & _U(0xFFFF)) * (x >> _U(PROB_BITS)) + slot - (e >> _U(16))
+    above_first = (first - _U(1) - slot) >> _U(63)
+    above_second = (second - _U(1) - slot) >> _U(63)
+    start = second if above_second else (first if above_first else _U(0))
+    end = _U(_MASK + 1) if above_second else (second if above_first else first)
+    v = (end - start) * (x >> _U(PROB_BITS)) + slot - start
     b = (v - _UL) >> _U(63)
     w = _U(words[min(p, last)])
+    s = above_first + above_second
+    prev[at] = s
     n[d] = 3 * parent + (np.int64(s) - 1) * ((parent >> 63) | 1)  # from the mean's side
     return (v << (b << _U(4))) | (w & (_U(0) - b)), p + b
 
 
 @njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)
 def _decode(g0, g1, k, words, wbeg, wend, states, lut, cum, mean, fine, top, depth, lo,
-            base_tid, refine_tid, out, status):  # pragma: no cover - jitted  # fmt: skip
+            base_tid, refine_tid, stride, out, status):  # pragma: no cover - jitted  # fmt: skip
     """Tiers ``0..k`` of groups ``[g0, g1)``, token by token: the base's symbols of every
     lane, then each refinement's symbols of its coded lanes (each tier its own four
     states, in registers while its row is decoded), then the token's values. A read
@@ -219,18 +263,21 @@ def _decode(g0, g1, k, words, wbeg, wend, states, lut, cum, mean, fine, top, dep
     n = np.empty(D, dtype=np.int64)
     lanes = np.empty(R * D, dtype=np.uint64)  # tier r's coded lanes, from r * D
     m = np.empty(R, dtype=np.uint64)
-    cut = np.empty(R * D * 3 * 2, dtype=np.uint64)  # (coded lane, context): 2 cut points
-    ent = np.empty(R * D * 3 * 3, dtype=np.uint64)  # (coded lane, context, symbol)
-    rows = np.empty(D, dtype=np.uint64)
+    cuts = np.empty(R * D * 9, dtype=np.uint32)  # (coded lane, context): its 2 cut points
+    prev = np.empty(R * D, dtype=np.uint64)  # (coded lane): the previous token's symbol
+    rows = np.empty(D, dtype=np.uint64)  # its first context's table's first LUT entry
+    base = np.empty(D, dtype=np.int64)  # the previous token's base indices
     low = np.empty(D, dtype=np.int64)
     xs = np.empty(R * STATES, dtype=np.uint64)
     pos = np.empty(R, dtype=np.uint64)
     last = np.empty(R, dtype=np.uint64)
     scale = np.empty(D, dtype=np.float32)
     mu = np.empty(D, dtype=np.float32)
+    ust = _U(stride)
     for g in range(g0, g1):
         for d in range(D):
             rows[d] = _U(base_tid[g, d]) * _U(S)
+            base[d] = 0
             low[d] = lo[g, d]
             mu[d] = mean[g, d]
             scale[d] = np.float32(_pow3(top[g, d] - depth[k, g, d])) * fine[g, d]
@@ -240,14 +287,10 @@ def _decode(g0, g1, k, words, wbeg, wend, states, lut, cum, mean, fine, top, dep
                 if r == 0 or depth[r, g, d] != depth[r - 1, g, d]:
                     lanes[r * D + q] = d
                     if r > 0:
-                        for c in range(3):
-                            tab = refine_tid[r - 1, c, g, d]
-                            c1, c2 = _U(cum[tab, 1]), _U(cum[tab, 2])
-                            at = (r * D + q) * 3 + c
-                            cut[at * 2], cut[at * 2 + 1] = c1, c2
-                            ent[at * 3] = c1
-                            ent[at * 3 + 1] = (c2 - c1) | (c1 << _U(16))
-                            ent[at * 3 + 2] = (_U(S) - c2) | (c2 << _U(16))
+                        prev[r * D + q] = 1
+                        for c in range(9):  # 3 (parent's context) + the previous symbol
+                            tab = refine_tid[r - 1, c // 3, g, d] + (c % 3) * stride
+                            cuts[(r * D + q) * 9 + c] = cum[tab, 1] | (cum[tab, 2] << 16)
                     q += 1
             m[r] = q
             for i in range(STATES):
@@ -259,20 +302,25 @@ def _decode(g0, g1, k, words, wbeg, wend, states, lut, cum, mean, fine, top, dep
             p, lp = pos[0], last[0]
             j = 0
             while j + 4 <= D:
-                s, x0, p = _base_symbol(x0, rows[j], lut, words, p, lp)
-                n[j] = np.int64(s) + low[j]
-                s, x1, p = _base_symbol(x1, rows[j + 1], lut, words, p, lp)
-                n[j + 1] = np.int64(s) + low[j + 1]
-                s, x2, p = _base_symbol(x2, rows[j + 2], lut, words, p, lp)
-                n[j + 2] = np.int64(s) + low[j + 2]
-                s, x3, p = _base_symbol(x3, rows[j + 3], lut, words, p, lp)
-                n[j + 3] = np.int64(s) + low[j + 3]
+                row = _base_row(rows, j, base[j], ust)
+                s, x0, p = _base_symbol(x0, row, lut, words, p, lp)
+                n[j] = base[j] = np.int64(s) + low[j]
+                row = _base_row(rows, j + 1, base[j + 1], ust)
+                s, x1, p = _base_symbol(x1, row, lut, words, p, lp)
+                n[j + 1] = base[j + 1] = np.int64(s) + low[j + 1]
+                row = _base_row(rows, j + 2, base[j + 2], ust)
+                s, x2, p = _base_symbol(x2, row, lut, words, p, lp)
+                n[j + 2] = base[j + 2] = np.int64(s) + low[j + 2]
+                row = _base_row(rows, j + 3, base[j + 3], ust)
+                s, x3, p = _base_symbol(x3, row, lut, words, p, lp)
+                n[j + 3] = base[j + 3] = np.int64(s) + low[j + 3]
                 j += 4
             xs[0], xs[1], xs[2], xs[3] = x0, x1, x2, x3
             while j < D:
                 i = j % STATES
-                s, xs[i], p = _base_symbol(xs[i], rows[j], lut, words, p, lp)
-                n[j] = np.int64(s) + low[j]
+                row = _base_row(rows, j, base[j], ust)
+                s, xs[i], p = _base_symbol(xs[i], row, lut, words, p, lp)
+                n[j] = base[j] = np.int64(s) + low[j]
                 j += 1
             pos[0] = p
             for r in range(1, R):
@@ -281,17 +329,17 @@ def _decode(g0, g1, k, words, wbeg, wend, states, lut, cum, mean, fine, top, dep
                 a = _U(r * D)
                 e = a + mr
                 while a + _U(4) <= e:
-                    x0, p = _refinement(a, x0, lanes, n, cut, ent, words, p, lr)
-                    x1, p = _refinement(a + _U(1), x1, lanes, n, cut, ent, words, p, lr)
-                    x2, p = _refinement(a + _U(2), x2, lanes, n, cut, ent, words, p, lr)
-                    x3, p = _refinement(a + _U(3), x3, lanes, n, cut, ent, words, p, lr)
+                    x0, p = _refinement(a, x0, lanes, n, prev, cuts, words, p, lr)
+                    x1, p = _refinement(a + _U(1), x1, lanes, n, prev, cuts, words, p, lr)
+                    x2, p = _refinement(a + _U(2), x2, lanes, n, prev, cuts, words, p, lr)
+                    x3, p = _refinement(a + _U(3), x3, lanes, n, prev, cuts, words, p, lr)
                     a += _U(4)
                 if a < e:
-                    x0, p = _refinement(a, x0, lanes, n, cut, ent, words, p, lr)
+                    x0, p = _refinement(a, x0, lanes, n, prev, cuts, words, p, lr)
                 if a + _U(1) < e:
-                    x1, p = _refinement(a + _U(1), x1, lanes, n, cut, ent, words, p, lr)
+                    x1, p = _refinement(a + _U(1), x1, lanes, n, prev, cuts, words, p, lr)
                 if a + _U(2) < e:
-                    x2, p = _refinement(a + _U(2), x2, lanes, n, cut, ent, words, p, lr)
+                    x2, p = _refinement(a + _U(2), x2, lanes, n, prev, cuts, words, p, lr)
                 xs[o], xs[o + 1], xs[o + 2], xs[o + 3] = x0, x1, x2, x3
                 pos[r] = p
             for d in range(D):
@@ -309,8 +357,8 @@ def _decode(g0, g1, k, words, wbeg, wend, states, lut, cum, mean, fine, top, dep
 def decode(
     k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
     lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray, depth: np.ndarray,
-    lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, out: np.ndarray,
-    vector: bool = True,
+    lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, stride: int,
+    out: np.ndarray, vector: bool = True,
 ) -> None:  # fmt: skip
     """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32).
 
@@ -341,7 +389,7 @@ def decode(
     depth = np.ascontiguousarray(depth, dtype=np.int64)
     tables = (
         np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(base_tid, dtype=np.int64),
-        np.ascontiguousarray(refine_tid, dtype=np.int64),
+        np.ascontiguousarray(refine_tid, dtype=np.int64), _stride(stride),
     )  # fmt: skip
     if vector and nested_simd.usable(out, words, lut, wbeg, wend):
         nested_simd.decode(*args, depth, *tables, out, status)
@@ -379,6 +427,6 @@ def warm_up() -> None:
         for vector in (False, True):
             try:
                 decode(1, words, bounds, bounds, states, lut, starts, mean, fine, depth, lo,
-                       base_tid, refine_tid, out, vector)  # fmt: skip
+                       base_tid, refine_tid, 0, out, vector)  # fmt: skip
             except RansError:
                 pass  # the made-up stream does not end where it should

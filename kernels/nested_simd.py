@@ -17,6 +17,9 @@ position), but groups are independent, so each vector lane keeps one group's sta
   0.44-0.55 in stored order).
 * A ternary table needs no lookup: its symbol is the count of its two cut points at
   or below the slot, its start and next cut are blends of them.
+* Contexts (the previous token's symbol in the lane): the base's table is the lane's
+  first plus the context times ``stride`` (a LUT row further); a refinement's cut
+  points are blended from the nine contexts' by the previous symbol, then the parent.
 * Values: each group's row of the token gathered from the lanes' indices and written
   as sixteen consecutive floats, ``mean + float32(n) * scale`` rounded twice as the
   scalar kernel rounds them.
@@ -64,31 +67,49 @@ def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _base_step(x, p, last, at, rows, low, lut, words, n):  # pragma: no cover - jitted
+def _base_step(x, p, last, at, rows, low, lut, words, n, base, smask
+               ):  # pragma: no cover - jitted  # fmt: skip
     """Lane ``at // W`` of every group from its states ``x`` (word position ``p``):
-    (new states, new position); the indices go to ``n[at:at + W]``."""
+    (new states, new position); the indices go to ``n[at:at + W]`` and ``base[at:]``,
+    whose values at the previous token choose each group's table (``rows[at:]``: the
+    middle context's; ``smask``: all ones where the context moves it by a table of
+    ``sign(prev)``, else 0)."""
+    prev = load(base, at)
+    sign = (prev != 0) | sra(prev, 31)  # -1, 0 or 1 (wrapping)
     slot = x & _MASK
-    e = gather(lut, load(rows, at) + slot)
+    e = gather(lut, load(rows, at) + ((sign << PROB_BITS) & smask) + slot)
     v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + (e >> 20)
     take = v < RANS_L
     w = gather(words, minimum(p, last))
-    store(n, at, (e & 0xFF) + load(low, at))
+    index = (e & 0xFF) + load(low, at)
+    store(n, at, index)
+    store(base, at, index)
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _refine_step(x, p, last, at, coded, cuts, words, n):  # pragma: no cover - jitted
+def _refine_step(x, p, last, at, coded, cuts, prev, words, n):  # pragma: no cover - jitted
     """Coded lane ``at`` of a tier (``coded[at * W:]``: where each group's index lies in
-    ``n``): (new states, new position). A group past its last coded lane steps through
-    a table of one symbol of probability 1, which leaves its state, and so its
-    position, as they are, and writes a scratch index."""
+    ``n``; ``prev[at * W:]`` its symbol at the previous token): (new states, new
+    position). A ternary table is its two cut points (``cuts[at * 9 * W:]``: ``first |
+    second << 16`` per context ``3 min(|parent|, 2) + prev``). A group past its last
+    coded lane steps through a table of one symbol of probability 1, which leaves its
+    state, and so its position, as they are, and writes a scratch index."""
     where = load(coded, at * W)
     parent = gather(n, where)
     sign = sra(parent, 31)
-    size = (parent ^ sign) - sign  # context min(|parent|, 2)
-    c = at * 3 * W
-    cut = select(size != 0, load(cuts, c + W), load(cuts, c))
-    cut = select(size > 1, load(cuts, c + 2 * W), cut)
+    size = (parent ^ sign) - sign
+    # the previous symbol's three candidates first: loads that need not wait for the
+    # parent (a gather of the context's cut points from all nine waited for it)
+    before = load(prev, at * W)
+    one, two = before & 1, before >> 1  # the symbol is 0, 1 or 2
+    c = at * 9 * W
+    middle = select(two, load(cuts, c + 2 * W), select(one, load(cuts, c + W), load(cuts, c)))
+    near = select(two, load(cuts, c + 5 * W),
+                  select(one, load(cuts, c + 4 * W), load(cuts, c + 3 * W)))
+    far = select(two, load(cuts, c + 8 * W),
+                 select(one, load(cuts, c + 7 * W), load(cuts, c + 6 * W)))
+    cut = select(size > 1, far, select(size != 0, near, middle))  # min(|parent|, 2)
     first, second = cut & 0xFFFF, cut >> 16
     slot = x & _MASK
     above_first, above_second = first <= slot, second <= slot
@@ -97,24 +118,29 @@ def _refine_step(x, p, last, at, coded, cuts, words, n):  # pragma: no cover - j
     v = (end - start) * (x >> PROB_BITS) + slot - start
     take = v < RANS_L
     w = gather(words, minimum(p, last))
+    store(prev, at * W, above_first + above_second)
     step = above_first + above_second - 1  # counted from the mean's side
     scatter(n, where, parent * 3 + step * (sign | 1))
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, fine, top,
-                   depth, lo, base_tid, refine_tid, out, status):  # pragma: no cover  # fmt: skip
+def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mean, fine, top,
+                   depth, lo, base_tid, refine_tid, stride, out, status
+                   ):  # pragma: no cover  # fmt: skip
     """Blocks ``[b0, b1)`` of ``W`` groups (``order[b * W:]``), tiers ``0..k``."""
     G, T, D = out.shape
     R = k + 1
     group_stride, token_stride = out.strides[0] // 4, out.strides[1] // 4
+    smask = np.uint32(0xFFFFFFFF) if stride else np.uint32(0)
     rows = np.empty(D * W, np.uint32)  # lane-major: [d * W + lane]
+    base = np.empty(D * W, np.uint32)  # [d * W + lane]: the previous token's base indices
     low = np.empty(D * W, np.uint32)
     mu = np.empty(W * D, np.float32)  # group-major: [lane * D + d]
     scale = np.empty(W * D, np.float32)
     coded = np.zeros(R * D * W, np.uint32)
-    cuts = np.zeros(R * D * 3 * W, np.uint32)  # first | second << 16, per context
+    cuts = np.zeros(R * D * 9 * W, np.uint32)  # first | second << 16, per context
+    prev = np.zeros(R * D * W, np.uint32)  # [at * W + lane]: the previous token's symbols
     xs = np.empty(R * STATES * W, np.uint32)
     pos = np.empty(R * W, np.uint32)
     last = np.empty(R * W, np.uint32)
@@ -130,7 +156,8 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, 
             g = order[min(block * W + lane, G - 1)]
             groups[lane] = g
             for d in range(D):
-                rows[d * W + lane] = base_tid[g, d] * _SLOTS
+                rows[d * W + lane] = (base_tid[g, d] + stride) * _SLOTS  # context 1's
+                base[d * W + lane] = 0
                 low[d * W + lane] = np.uint32(np.int64(lo[g, d]) & 0xFFFFFFFF)
                 mu[lane * D + d] = mean[g, d]
                 scale[lane * D + d] = np.float32(_pow3(top[g, d] - depth[k, g, d])) * fine[g, d]
@@ -140,15 +167,17 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, 
                     if depth[r, g, d] != depth[r - 1, g, d]:
                         at = r * D + q
                         coded[at * W + lane] = d * W + lane
-                        for c in range(3):
-                            tab = refine_tid[r - 1, c, g, d]
-                            cuts[(at * 3 + c) * W + lane] = cum[tab, 1] | (cum[tab, 2] << 16)
+                        prev[at * W + lane] = 1
+                        for c in range(9):  # 3 (parent's context) + the previous symbol
+                            tab = refine_tid[r - 1, c // 3, g, d] + (c % 3) * stride
+                            cuts[(at * 9 + c) * W + lane] = cut_of[tab]
                         q += 1
                 for rest in range(q, D if r > 0 else 0):  # past its coded lanes
                     at = r * D + rest
                     coded[at * W + lane] = (D + rest) * W + lane
-                    for c in range(3):
-                        cuts[(at * 3 + c) * W + lane] = _SLOTS | (_SLOTS << 16)
+                    prev[at * W + lane] = 0
+                    for c in range(9):
+                        cuts[(at * 9 + c) * W + lane] = _SLOTS | (_SLOTS << 16)
                 steps[r] = max(steps[r], q)
                 for i in range(STATES):
                     xs[(r * STATES + i) * W + lane] = states[r, g, i]
@@ -159,10 +188,14 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, 
             x0, x1, x2, x3 = load(xs, 0), load(xs, W), load(xs, 2 * W), load(xs, 3 * W)
             p, end = load(pos, 0), load(last, 0)
             for d in range(0, D, 4):
-                x0, p = _base_step(x0, p, end, d * W, rows, low, lut, words, n)
-                x1, p = _base_step(x1, p, end, (d + 1) * W, rows, low, lut, words, n)
-                x2, p = _base_step(x2, p, end, (d + 2) * W, rows, low, lut, words, n)
-                x3, p = _base_step(x3, p, end, (d + 3) * W, rows, low, lut, words, n)
+                x0, p = _base_step(x0, p, end, d * W, rows, low, lut, words, n, base,
+                                   smask)
+                x1, p = _base_step(x1, p, end, (d + 1) * W, rows, low, lut, words, n, base,
+                                   smask)
+                x2, p = _base_step(x2, p, end, (d + 2) * W, rows, low, lut, words, n, base,
+                                   smask)
+                x3, p = _base_step(x3, p, end, (d + 3) * W, rows, low, lut, words, n, base,
+                                   smask)
             store(xs, 0, x0)
             store(xs, W, x1)
             store(xs, 2 * W, x2)
@@ -175,13 +208,16 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cum, mean, 
                 p, end = load(pos, r * W), load(last, r * W)
                 a, e = r * D, r * D + steps[r]
                 while a < e:
-                    x0, p = _refine_step(x0, p, end, a, coded, cuts, words, n)
+                    x0, p = _refine_step(x0, p, end, a, coded, cuts, prev, words, n)
                     if a + 1 < e:
-                        x1, p = _refine_step(x1, p, end, a + 1, coded, cuts, words, n)
+                        x1, p = _refine_step(x1, p, end, a + 1, coded, cuts, prev, words,
+                                             n)
                     if a + 2 < e:
-                        x2, p = _refine_step(x2, p, end, a + 2, coded, cuts, words, n)
+                        x2, p = _refine_step(x2, p, end, a + 2, coded, cuts, prev, words,
+                                             n)
                     if a + 3 < e:
-                        x3, p = _refine_step(x3, p, end, a + 3, coded, cuts, words, n)
+                        x3, p = _refine_step(x3, p, end, a + 3, coded, cuts, prev, words,
+                                             n)
                     a += 4
                 store(xs, o, x0)
                 store(xs, o + W, x1)
@@ -218,12 +254,13 @@ def block_order(k: int, depth: np.ndarray) -> np.ndarray:
 def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
            lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray,
            depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray,
-           out: np.ndarray, status: np.ndarray) -> None:  # fmt: skip
+           stride: int, out: np.ndarray, status: np.ndarray) -> None:  # fmt: skip
     """:func:`kvcdn.kernels.nested.decode`'s work on arrays it has checked and typed
     (where :func:`usable`): each group's end check into ``status``."""
     G = out.shape[0]
+    cut_of = cum[:, 1] | (cum[:, 2] << 16)  # each (ternary) table's cut points
     parallel.run(
         _decode_blocks, -(-G // W), block_order(k, depth), k, words, wbeg, wend, states,
-        lut, cum, mean, fine, np.ascontiguousarray(depth[-1]), depth, lo, base_tid, refine_tid,
-        out, status,
+        lut, cut_of, mean, fine, np.ascontiguousarray(depth[-1]), depth, lo, base_tid,
+        refine_tid, stride, out, status,
     )  # fmt: skip

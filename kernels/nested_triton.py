@@ -23,6 +23,11 @@ float32(3 ** (top - depth[k])) * fine`` computed on the host as the CPU kernel d
 (both products exact, one rounding at the addition), then rounded to ``out``'s dtype as
 torch's ``.to`` does (bfloat16 by hand: the interpreter's cast truncates).
 
+A symbol's table depends on the same lane's symbol at the previous token (its base
+index for the base): each tier's program keeps them in a scratch ``[R, G, D]`` of its
+own, read and rewritten by the thread that decodes the lane (the barrier after each
+token orders them).
+
 Corrupt streams: a read at or past the end of a group's tier is not made (the state
 takes a zero word) and flags the group, as does a tier not ending where it should or a
 final state other than ``L``; :func:`decode` raises :class:`RansError` (one sync).
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .nested import STATES
+from .nested import STATES, _stride
 from .rans import PROB_BITS, PROB_SCALE, RANS_L, RansError
 from .rans_triton import array_to_device, available
 
@@ -74,12 +79,13 @@ if triton is not None:
     # Sizes that vary from chunk to chunk are not specialised on (Triton compiles a
     # kernel for each value of 1 and each divisibility by 16): one compilation an
     # output dtype and width, which warm_up makes ahead of the first chunk.
-    @triton.jit(do_not_specialize=["K", "G", "T", "NB", "CUM_STRIDE", "stride_og",
+    @triton.jit(do_not_specialize=["K", "G", "T", "NB", "CUM_STRIDE", "CONTEXT_STRIDE", "stride_og",
                                    "stride_ot"])  # fmt: skip
     def _decode_kernel(
         words_ptr, wbeg_ptr, wend_ptr, states_ptr, lut_ptr, cum_ptr, lanes_ptr, m_ptr,
-        lo_ptr, base_ptr, refine_ptr, scale_ptr, mean_ptr, n_ptr, out_ptr, err_ptr, done_ptr,
-        K, G, T, D, NB, CUM_STRIDE, stride_og, stride_ot, stride_od,
+        lo_ptr, base_ptr, refine_ptr, scale_ptr, mean_ptr, n_ptr, prev_ptr, out_ptr, err_ptr,
+        done_ptr,
+        K, G, T, D, NB, CUM_STRIDE, CONTEXT_STRIDE, stride_og, stride_ot, stride_od,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, N_STATES: tl.constexpr,
         PROB_BITS_C: tl.constexpr, RANS_L_C: tl.constexpr, OUT_BF16: tl.constexpr,
     ):  # fmt: skip
@@ -122,20 +128,27 @@ if triton is not None:
                 d = tl.load(lanes_ptr + (r * G + g2) * D + q, mask=act, other=0)
                 at = (g2 * T + t) * D + d
                 slot = x & slot_mask
+                # the lane's symbol (base: index) at the previous token, this tier's own
+                before = prev_ptr + (r * G + g2) * D + d
+                p_prev = tl.load(before, mask=act, other=0)
                 if r == 0:  # the base: a symbol of the lane's table, from the LUT
-                    tab = tl.load(base_ptr + g2 * D + d, mask=act, other=0).to(tl.int64)
+                    ctx = 1 + (p_prev > 0).to(tl.int32) - (p_prev < 0).to(tl.int32)
+                    tab = tl.load(base_ptr + g2 * D + d, mask=act, other=0) + ctx * CONTEXT_STRIDE
+                    tab = tab.to(tl.int64)
                     e = tl.load(lut_ptr + (tab << PROB_BITS_C) + slot, mask=act, other=0)
                     e = tl.cast(e, tl.uint32, bitcast=True)
                     v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS_C) + (e >> 20)
                     low = tl.load(lo_ptr + g2 * D + d, mask=act, other=0)
                     n = (e & 0xFF).to(tl.int32) + low
-                else:  # a refinement: a ternary symbol, in context min(|parent|, 2)
+                    tl.store(before, n, mask=act)
+                else:  # a refinement: a ternary symbol, in context 3 min(|parent|, 2) + prev
                     # (volatile: the program of the tier below wrote it)
                     parent = tl.load(n_ptr + at, mask=act, other=0, volatile=True)
                     a = tl.abs(parent)
                     ctx = (a != 0).to(tl.int32) + (a > 1).to(tl.int32)
                     tab = tl.load(refine_ptr + (((r - 1) * 3 + ctx) * G + g2) * D + d,
-                                  mask=act, other=0).to(tl.int64)  # fmt: skip
+                                  mask=act, other=0) + p_prev * CONTEXT_STRIDE  # fmt: skip
+                    tab = tab.to(tl.int64)
                     c1 = tl.load(cum_ptr + tab * CUM_STRIDE + 1, mask=act, other=0)
                     c2 = tl.load(cum_ptr + tab * CUM_STRIDE + 2, mask=act, other=0)
                     c1 = tl.cast(c1, tl.uint32, bitcast=True)
@@ -144,6 +157,7 @@ if triton is not None:
                     start = tl.where(s == 0, 0, tl.where(s == 1, c1, c2))
                     freq = tl.where(s == 0, c1, tl.where(s == 1, c2 - c1, scale_full - c2))
                     v = freq * (x >> PROB_BITS_C) + slot - start
+                    tl.store(before, s.to(tl.int32), mask=act)
                     sign = tl.where(parent < 0, -1, 1)  # counted from the mean's side
                     n = 3 * parent + (s.to(tl.int32) - 1) * sign
                 tl.store(n_ptr + at, n, mask=act)
@@ -190,12 +204,13 @@ class Tables:
     refine: torch.Tensor
     scale: torch.Tensor
     mean: torch.Tensor
+    stride: int  # 1 where the tables depend on the previous token (kernels.nested)
 
 
 def tables(
     k: int, lut: np.ndarray | torch.Tensor, cum: np.ndarray, mean: np.ndarray,
     fine: np.ndarray, depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray,
-    refine_tid: np.ndarray, device: str | torch.device,
+    refine_tid: np.ndarray, stride: int, device: str | torch.device,
 ) -> Tables:  # fmt: skip
     """The arguments of :func:`kvcdn.kernels.nested.decode` that do not change from
     chunk to chunk, for tiers ``0..k``, copied to ``device``, where a caller can keep
@@ -216,13 +231,14 @@ def tables(
     return Tables(k, G, D, put(lut.reshape(-1), np.uint32, np.int32), put(cum, np.uint32, np.int32),
                   put(lanes, np.int32), put(m, np.int32), put(lo, np.int32),
                   put(base_tid, np.int32), put(refine, np.int32), put(scale, np.float32),
-                  put(mean, np.float32))  # fmt: skip
+                  put(mean, np.float32), _stride(stride))  # fmt: skip
 
 
 def decode(
     k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
     lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray, depth: np.ndarray,
-    lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, out: torch.Tensor,
+    lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, stride: int,
+    out: torch.Tensor,
 ) -> None:  # fmt: skip
     """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32, float16 or
     bfloat16, any strides, on the device the kernel runs on): the arguments of
@@ -232,7 +248,7 @@ def decode(
     if triton is None:
         raise RuntimeError("kvcdn.kernels.nested_triton needs triton")
     _check(k, words, wbeg, wend, states, out)
-    t = tables(k, lut, cum, mean, fine, depth, lo, base_tid, refine_tid, out.device)
+    t = tables(k, lut, cum, mean, fine, depth, lo, base_tid, refine_tid, stride, out.device)
     decode_with(t, words, wbeg, wend, states, out)
 
 
@@ -268,14 +284,17 @@ def decode_with(
         return array_to_device(a, dtype, dev, view)
 
     n = torch.empty((G, T, D), dtype=torch.int32, device=dev)
+    prev = torch.ones((R, G, D), dtype=torch.int32, device=dev)  # before the first token
+    prev[0] = 0
     err = torch.zeros(R * G, dtype=torch.int32, device=dev)
     nb = triton.cdiv(G, _BLOCK_G)
     done = torch.zeros(R * nb, dtype=torch.int32, device=dev)  # tokens each tier finished
     _decode_kernel[(R * nb,)](
         put(words, np.uint16, np.int16), put(wbeg[:R], np.int64), put(wend[:R], np.int64),
         put(states[:R], np.uint32, np.int32), t.lut, t.cum, t.lanes, t.m, t.lo, t.base,
-        t.refine, t.scale, t.mean, n, out, err, done,
-        t.k, G, T, D, nb, t.cum.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        t.refine, t.scale, t.mean, n, prev, out, err, done,
+        t.k, G, T, D, nb, t.cum.stride(0), t.stride, out.stride(0), out.stride(1),
+        out.stride(2),
         BLOCK_G=_BLOCK_G, BLOCK_D=triton.next_power_of_2(D), N_STATES=STATES,
         PROB_BITS_C=PROB_BITS, RANS_L_C=RANS_L, OUT_BF16=out.dtype == torch.bfloat16,
         enable_fp_fusion=False,  # multiply, then add (exact either way: see the docstring)
@@ -306,6 +325,6 @@ def warm_up(device: str | torch.device, dtype: torch.dtype, dim: int) -> None:
         decode(1, np.zeros(4, dtype=np.uint16), bounds, bounds, states,
                build_decode_table(freqs), cumulative(freqs), zeros.astype(np.float32),
                np.ones((G, dim), dtype=np.float32), depth, zeros, zeros,
-               np.ones((1, 3, G, dim), dtype=np.int64), out)  # fmt: skip
+               np.ones((1, 3, G, dim), dtype=np.int64), 0, out)  # fmt: skip
     except RansError:
         pass

@@ -27,7 +27,6 @@ import numpy as np
 
 from .codec_profile import (
     LADDER,
-    NESTED_CONTEXTS,
     NESTED_TIERS,
     CodecProfile,
     LevelSpec,
@@ -484,31 +483,96 @@ def _plan_nested(
     top = plan.depth[-1]
     fine = round_to_4_bits(plan.base_step / 3.0**top)
     plan = pg.NestedPlan(fine.astype(np.float64) * 3.0**top, plan.depth)
-    n = pg.indices(x, plan)
-    sd_n = sd.reshape(-1)
-    from kvcdn.kernels.rans import normalize_freqs
-
-    # Table 0: uniform ternary, named by the streams a tier does not split (never used).
-    tables: list[tuple[np.ndarray, int, int]] = [(normalize_freqs(np.ones(3)), 0, 3)]
-    base_id = _class_tables(tables, n[0], sd_n / plan.step(0), pg.BASE_LIMIT)
-    refine_id = np.zeros((len(names) - 1, NESTED_CONTEXTS, len(sd_n)), dtype=np.int64)
-    for r in range(1, len(names)):
-        split = plan.depth[r] > plan.depth[r - 1]
-        sym, ctx = pg.refinement_symbols(n[r - 1][split], n[r][split])
-        spread = (sd_n / plan.step(r - 1))[split]
-        for c in range(NESTED_CONTEXTS):
-            coded = np.where(ctx == c, sym, -1)  # -1: another context's symbol, not counted
-            ids = _class_tables(tables, coded, spread, None)
-            refine_id[r - 1, c, split] = ids
+    # Tables from pairs of adjacent tokens: each stride's first token (``x``) is the
+    # previous token of its second, whose symbols the tables count.
+    x_next = pg.streams_of(body[:, :, :, 1::NESTED_TOKEN_STRIDE], mean)
+    pairs = min(x.shape[1], x_next.shape[1])
+    base_id, refine_id, tables = _nested_tables(plan, x[:, :pairs], x_next[:, :pairs],
+                                                sd.reshape(-1))  # fmt: skip
+    del x_next
     spec = NestedSpec(
         tiers=tuple(names),
         base_strength=float(hi),
         fine_step=fine.reshape(shape).astype(np.float32),
         depth=plan.depth.reshape(len(names), *shape).astype(np.uint8),
-        base_table=base_id.reshape(shape).astype(np.uint16),  # offsets into `tables`
-        refine_table=refine_id.reshape(len(names) - 1, NESTED_CONTEXTS, *shape).astype(np.uint16),
+        base_table=base_id.reshape(-1, *shape).astype(np.uint16),  # offsets into `tables`
+        refine_table=refine_id.reshape(len(names) - 1, -1, *shape).astype(np.uint16),
     )
     return spec, tables
+
+
+#: Spread classes a table of the nested ladder serves, per octave of sd / step (each
+#: also split by the stream's lag-1 correlation: a table per context costs more
+#: classes than the ladder's thirds of an octave can fill).
+NESTED_CLASSES_PER_OCTAVE = 2
+
+
+Tables = list[tuple[np.ndarray, int, int]]  # (frequencies, lo, size) each
+
+
+def _nested_tables(plan: Any, x: np.ndarray, x_next: np.ndarray, sd: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, Tables]:  # fmt: skip
+    """The nested ladder's rANS tables, chosen by the previous token's symbol
+    (``kvcdn.kernels.nested``): a base table per class and context (the previous base
+    index below, at or above 0), a refinement table per tier, class and context
+    (parent cell, previous symbol). Counted on ``x_next`` (streams ``[N, T]``, mean
+    removed), whose previous tokens are ``x``; a class is the spread (``sd`` / step,
+    :data:`NESTED_CLASSES_PER_OCTAVE`) and whether the stream's lag-1 correlation is
+    above the median. Returns base ids ``[3, N]``, refinement ids ``[R - 1, 9, N]``
+    and the tables (frequencies, lo, size). A stream's tables of one parent context
+    are consecutive (the kernels add the previous symbol): tables 0-2 are uniform
+    ternary ones, named so by the streams a tier does not split (never used)."""
+    from kvcdn.kernels.rans import normalize_freqs
+
+    from . import progressive as pg
+
+    a = x - x.mean(axis=1, keepdims=True)
+    b = x_next - x_next.mean(axis=1, keepdims=True)
+    rho = (a * b).mean(axis=1) / np.maximum(a.std(axis=1) * b.std(axis=1), 1e-12)
+    del a, b
+    correlated = (rho > np.median(rho)).astype(np.int64)
+
+    def classes(step: np.ndarray) -> np.ndarray:
+        spread = np.maximum(sd / step, 1e-6)
+        cls = np.clip(np.round(NESTED_CLASSES_PER_OCTAVE * np.log2(spread)), -30, 20)
+        return cls.astype(np.int64) * 2 + correlated
+
+    tables: Tables = [(normalize_freqs(np.ones(3)), 0, 3)] * 3
+    N, R = x.shape[0], plan.levels
+    base_id = np.zeros((3, N), dtype=np.int64)
+    refine_id = np.zeros((R - 1, 9, N), dtype=np.int64)
+    refine_id[:] = (np.arange(9) % 3)[None, :, None]  # unsplit: tables 0-2
+    prev, now = pg.level_indices(x, plan, 0), pg.level_indices(x_next, plan, 0)
+    context = np.sign(prev) + 1
+    cls = classes(plan.step(0))
+    for c in np.unique(cls):
+        rows = cls == c
+        vals = now[rows]
+        vmin, vmax = int(vals.min()), int(vals.max())
+        margin = max(1, int(math.ceil(0.25 * (vmax - vmin))))
+        lo = max(vmin - margin, -pg.BASE_LIMIT)
+        size = min(vmax + margin, pg.BASE_LIMIT) - lo + 1
+        for k in range(3):  # every context's table spans the class's range
+            counts = np.bincount(vals[context[rows] == k] - lo, minlength=size)[:size]
+            base_id[k, rows] = len(tables)
+            tables.append((normalize_freqs(counts), lo, size))
+    for r in range(1, R):
+        prev_up, now_up = pg.level_indices(x, plan, r), pg.level_indices(x_next, plan, r)
+        split = plan.depth[r] > plan.depth[r - 1]
+        sym_prev, _ = pg.refinement_symbols(prev[split], prev_up[split])
+        sym, parent = pg.refinement_symbols(now[split], now_up[split])
+        context = parent * 3 + sym_prev
+        cls = classes(plan.step(r - 1))[split]
+        ids = np.zeros((9, int(split.sum())), dtype=np.int64)
+        for c in np.unique(cls):
+            rows = cls == c
+            s, k = sym[rows], context[rows]
+            for j in range(9):
+                ids[j, rows] = len(tables)
+                tables.append((normalize_freqs(np.bincount(s[k == j], minlength=3)[:3]), 0, 3))
+        refine_id[r - 1][:, split] = ids
+        prev, now = prev_up, now_up
+    return base_id, refine_id, tables
 
 
 def _plan_tier(x: np.ndarray, below: Any, weight: np.ndarray, kl_of: Callable[[Any], float],
@@ -571,36 +635,6 @@ def _kl_nested(model: LoadedModel, samples: list[Sample], mean: np.ndarray, plan
         kv = torch.from_numpy(pg.level_values(sample.kv.numpy(), mean, plan, top, sinks))
         kls.append(compare(sample, continuation_logits(model, kv, sample.continuation))["kl"])
     return float(np.mean(kls))
-
-
-def _class_tables(
-    tables: list[tuple[np.ndarray, int, int]], sym: np.ndarray, spread: np.ndarray,
-    limit: int | None,
-) -> np.ndarray:  # fmt: skip
-    """One table per spread class (thirds of an octave) of streams ``sym [N, T]`` (values
-    < 0 are not counted): base indices in ``[-limit, limit]`` with a margin, or (``limit``
-    None) ternary refinement symbols. Appends to ``tables``; returns each stream's index
-    into it."""
-    from kvcdn.kernels.rans import normalize_freqs
-
-    cls = np.clip(np.round(SPREAD_CLASSES_PER_OCTAVE * np.log2(np.maximum(spread, 1e-6))),
-                  -30, 20).astype(np.int64)  # fmt: skip
-    ids = np.zeros(len(cls), dtype=np.int64)
-    for c in np.unique(cls):
-        rows = sym[cls == c]
-        vals = rows[rows > (-1 if limit is None else -limit - 1)]
-        if limit is None:
-            lo, size = 0, 3
-            counts = np.bincount(vals, minlength=3)[:3]
-        else:
-            vmin, vmax = (int(vals.min()), int(vals.max())) if vals.size else (0, 0)
-            margin = max(1, int(math.ceil(0.25 * (vmax - vmin))))
-            lo, hi = max(vmin - margin, -limit), min(vmax + margin, limit)
-            size = hi - lo + 1
-            counts = np.bincount(vals - lo, minlength=size)[:size]
-        ids[cls == c] = len(tables)
-        tables.append((normalize_freqs(counts), lo, size))
-    return ids
 
 
 def _append_tables(

@@ -59,8 +59,15 @@ LADDER: dict[str, float] = {
 NESTED_TIERS: tuple[str, ...] = ("minimal", "lowest", "low", "default", "high", "nearlossless")
 #: Splits of a stream, at most: indices stay below 2**17, so ``index * step`` is exact.
 MAX_NESTED_DEPTH = 6
-#: Contexts of a refinement symbol (kvcdn.progressive.CONTEXTS).
+#: Contexts of a refinement symbol by its parent cell (kvcdn.progressive.CONTEXTS).
 NESTED_CONTEXTS = 3
+#: ``nested.contexts`` of a profile whose tables also depend on the previous token's
+#: symbol: 3 base tables a stream (the previous base index below, at or above 0) and
+#: 3 x 3 refinement tables (parent cell, previous symbol); without it (profiles made
+#: before), one base table and 3 refinement tables.
+PREVIOUS_TOKEN = "previous-token"
+PREVIOUS_BASE_CONTEXTS = 3
+PREVIOUS_REFINE_CONTEXTS = NESTED_CONTEXTS * 3
 #: Derived values a profile keeps (:meth:`CodecProfile.derived`): a few devices times
 #: the parts a reader decodes (a tensor-parallel rank's heads, a pipeline stage's layers).
 DERIVED_KEPT = 64
@@ -92,12 +99,19 @@ class NestedSpec:
     base_strength: float
     fine_step: np.ndarray  # float32 [L, 2, H, D], 4 significant bits
     depth: np.ndarray  # uint8 [tiers, L, 2, H, D]: depth[0] == 0, +0 or +1 a tier
-    base_table: np.ndarray  # uint16 [L, 2, H, D]
-    refine_table: np.ndarray  # uint16 [tiers - 1, NESTED_CONTEXTS, L, 2, H, D]
+    # uint16 [B, L, 2, H, D], B = 1 or PREVIOUS_BASE_CONTEXTS (previous_token)
+    base_table: np.ndarray
+    # uint16 [tiers - 1, C, L, 2, H, D], C = NESTED_CONTEXTS or PREVIOUS_REFINE_CONTEXTS
+    refine_table: np.ndarray
     quality: dict[str, dict[str, float]] = field(default_factory=dict)  # per tier
 
     def tier(self, name: str) -> int:
         return self.tiers.index(name)
+
+    @property
+    def previous_token(self) -> bool:
+        """Whether a symbol's table also depends on the previous token's symbol."""
+        return self.base_table.shape[0] == PREVIOUS_BASE_CONTEXTS
 
 
 @dataclass
@@ -206,17 +220,20 @@ class CodecProfile:
             cached = self._per_level[level] = (tid, scale, offset, lo, size)
         return cached
 
-    def nested_arrays(self) -> tuple[np.ndarray, ...]:
-        """What the nested kernels take, per group ``[G, D]``: (mean, fine step, depth
-        ``[R, G, D]``, base lo, base size, base table, refinement tables
-        ``[R - 1, 3, G, D]``)."""
+    def nested_arrays(self) -> tuple[Any, ...]:
+        """What the nested kernels take (:mod:`kvcdn.kernels.nested`), per group ``[G,
+        D]``: (mean, fine step, depth ``[R, G, D]``, base lo, base size, base table (the
+        first context's), refinement tables ``[R - 1, 3, G, D]`` (per parent context,
+        the first previous symbol's), and the stride between a context's tables: 1
+        where the tables depend on the previous token, 0 in profiles made before)."""
         cached = self._per_level.get("\0nested")
         if cached is None:
             spec = self.nested
             assert spec is not None
             G = self.layout.layers * 2 * self.layout.kv_heads
             tiers = len(spec.tiers)
-            base = spec.base_table.reshape(G, -1).astype(np.int64)
+            base = spec.base_table[0].reshape(G, -1).astype(np.int64)
+            refine = spec.refine_table[:, :: spec.refine_table.shape[1] // NESTED_CONTEXTS]
             cached = self._per_level["\0nested"] = (
                 self.mean.reshape(G, -1),
                 spec.fine_step.reshape(G, -1),
@@ -224,7 +241,8 @@ class CodecProfile:
                 self.table_lo[base].astype(np.int64),
                 self.table_size[base].astype(np.int64),
                 base,
-                spec.refine_table.reshape(tiers - 1, NESTED_CONTEXTS, G, -1).astype(np.int64),
+                refine.reshape(tiers - 1, NESTED_CONTEXTS, G, -1).astype(np.int64),
+                int(spec.previous_token),
             )
         return cached
 
@@ -261,7 +279,8 @@ def _serialise(p: CodecProfile) -> bytes:
     if nested is not None:
         tensors["nested.fine_step"] = nested.fine_step.astype(np.float32)
         tensors["nested.depth"] = nested.depth.astype(np.uint8)
-        tensors["nested.base_table"] = nested.base_table.astype(np.uint16)
+        base = nested.base_table if nested.previous_token else nested.base_table[0]
+        tensors["nested.base_table"] = base.astype(np.uint16)
         tensors["nested.refine_table"] = nested.refine_table.astype(np.uint16)
     meta = {
         "format": PROFILE_FORMAT,
@@ -278,6 +297,8 @@ def _serialise(p: CodecProfile) -> bytes:
     if nested is not None:
         meta["nested"] = {"tiers": list(nested.tiers), "base_strength": nested.base_strength,
                           "quality": nested.quality}  # fmt: skip
+        if nested.previous_token:
+            meta["nested"]["contexts"] = PREVIOUS_TOKEN
     return save(tensors, metadata={"kvcdn": json.dumps(meta, sort_keys=True)})
 
 
@@ -399,12 +420,29 @@ def _parse_nested(
         raise bad("nested.depth must start at 0 and grow by 0 or 1 a tier")
     if depth[-1].max() > MAX_NESTED_DEPTH:
         raise bad(f"nested.depth goes past {MAX_NESTED_DEPTH} splits")
-    base = bad.array(arrays, "nested.base_table", np.uint16, shape)
-    refine = bad.array(arrays, "nested.refine_table", np.uint16, (n - 1, NESTED_CONTEXTS, *shape))
+    contexts = meta.get("contexts")
+    if contexts not in (None, PREVIOUS_TOKEN):
+        raise bad(f"nested.contexts must be {PREVIOUS_TOKEN!r} or absent")
+    if contexts == PREVIOUS_TOKEN:
+        base = bad.array(arrays, "nested.base_table", np.uint16, (PREVIOUS_BASE_CONTEXTS, *shape))
+        refine_contexts = PREVIOUS_REFINE_CONTEXTS
+    else:
+        base = bad.array(arrays, "nested.base_table", np.uint16, shape)[None]
+        refine_contexts = NESTED_CONTEXTS
+    refine = bad.array(arrays, "nested.refine_table", np.uint16, (n - 1, refine_contexts, *shape))
     if np.any(base >= len(table_lo)) or np.any(refine >= len(table_lo)):
         raise bad("a nested table id names a table that does not exist")
     if np.any(table_lo[base] < -128) or np.any(table_lo[base] + table_size[base] > 128):
         raise bad("a nested base table reaches past 8-bit indices")
+    if np.any(table_lo[base] != table_lo[base[0]]) or np.any(
+            table_size[base] != table_size[base[0]]):  # fmt: skip
+        raise bad("a stream's nested base tables must span the same range in every context")
+    if contexts == PREVIOUS_TOKEN:  # the kernels find a context's table by its offset
+        step = np.arange(PREVIOUS_BASE_CONTEXTS).reshape(-1, *[1] * len(shape))
+        by_parent = refine.reshape(n - 1, NESTED_CONTEXTS, 3, *shape)
+        if np.any(base != base[0] + step) or np.any(
+                by_parent != by_parent[:, :, :1] + step[None, None]):  # fmt: skip
+            raise bad("a stream's nested tables of one parent context must be consecutive")
     if np.any(table_lo[refine] != 0) or np.any(table_size[refine] != 3):
         raise bad("a nested refinement table must code the three symbols 0, 1, 2")
     quality = bad.dict(meta.get("quality", {}), "nested.quality")

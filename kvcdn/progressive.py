@@ -29,6 +29,11 @@ independently coded levels, and ``docs/levels.md`` gives the figures.
   the mean (``s = c`` above it, ``2 - c`` below), and coded with a table chosen by
   ``min(|p|, 2)``: the middle cell's children are symmetric, its neighbours' lean
   towards the mean, the tails' are near uniform.
+* **The previous token as context.** Adjacent tokens are correlated in many streams,
+  so a symbol's table also depends on the same stream's symbol at the previous token
+  (a base index by its sign, a refinement symbol as it is): the coder's tables, in
+  ``kvcdn.calibrate`` and ``kvcdn.kernels.nested``; this module's size estimates
+  (:func:`level_bits`) count each stream's symbols without it.
 
 Everything here is the numpy reference; kernels and the container follow it.
 """

@@ -43,7 +43,7 @@ def nested_object(profile, doc_kv) -> bytes:
 
 def _spec_values(profile, kv: torch.Tensor, k: int) -> np.ndarray:
     """docs/format.md's definition of tier k's values, in numpy (float32 as specified)."""
-    mean, fine, depth, lo, size, _, _ = profile.nested_arrays()
+    mean, fine, depth, lo, size, *_ = profile.nested_arrays()
     groups = mean.shape[0]
     x = kv.float().numpy().reshape(groups, kv.shape[3], kv.shape[4])
     top = depth[-1]
@@ -105,6 +105,71 @@ def test_every_tier_decodes_to_its_specified_values(profile, doc_kv, nested_obje
     per_tier = len(index.lengths) // index.tiers
     assert index.tiers == len(NESTED_TIERS)
     assert min(index.lengths[:per_tier]) > max(index.lengths[per_tier : 2 * per_tier]) // 4
+
+
+def _without_previous_token(profile):
+    """The profile as kvcdn wrote nested profiles before their tables depended on the
+    previous token: one base table a stream, a refinement table per parent context
+    (here each context's table for a previous symbol of 0), serialised and parsed."""
+    spec = profile.nested
+    old = dataclasses.replace(spec, base_table=spec.base_table[:1],
+                              refine_table=spec.refine_table[:, 0::3])  # fmt: skip
+    return parse_profile(dataclasses.replace(profile, nested=old).to_bytes())
+
+
+def test_a_profile_without_previous_token_contexts_still_codes_as_specified(profile, doc_kv
+                                                                            ) -> None:  # fmt: skip
+    assert profile.nested.previous_token
+    old = _without_previous_token(profile)
+    assert not old.nested.previous_token and old.sha256 != profile.sha256
+    chunk = doc_kv[:, :, :, 256:512].contiguous()
+    data = encode_chunk(nested_level("default", old), chunk, HASH, profile=old, start=256)
+    for k in range(len(NESTED_TIERS)):
+        _, out = decode_chunk(data, profile=old, tiers=k + 1, chunk_hash=HASH)
+        assert np.array_equal(out.numpy().reshape(-1), _spec_values(old, chunk, k).ravel())
+    # the same values either way; the previous token as context makes every tier smaller
+    ours = encode_chunk(nested_level("default", profile), chunk, HASH, profile=profile,
+                        start=256)  # fmt: skip
+    for k in range(len(NESTED_TIERS)):
+        assert tier_bytes(ours, k + 1) < tier_bytes(data, k + 1), NESTED_TIERS[k]
+
+
+def test_profiles_with_contexts_that_do_not_fit_are_refused(profile) -> None:
+    import json
+    import struct
+
+    from safetensors.numpy import load, save
+
+    data = profile.to_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
+    nested_meta = json.loads(meta["kvcdn"])
+
+    def parse(arrays, contexts) -> None:
+        nested_meta["nested"]["contexts"] = contexts
+        parse_profile(save(arrays, metadata={"kvcdn": json.dumps(nested_meta)}))
+
+    arrays = load(data)
+    with pytest.raises(FormatError, match="nested.contexts must be"):
+        parse(arrays, "next-token")
+    old_shapes = dict(arrays, **{"nested.base_table": arrays["nested.base_table"][0]})
+    with pytest.raises(FormatError, match="nested.base_table"):
+        parse(old_shapes, "previous-token")
+    # a stream whose base tables span different ranges in two contexts
+    base = arrays["nested.base_table"].copy()
+    lo = parse_profile(data).table_lo
+    first = base[0].reshape(-1)
+    other = int(np.flatnonzero(lo[base[1].reshape(-1)] != lo[first[0]])[0])
+    base[1].reshape(-1)[0] = base[1].reshape(-1)[other]
+    with pytest.raises(FormatError, match="same range in every context"):
+        parse(dict(arrays, **{"nested.base_table": base}), "previous-token")
+    # the kernels find a context's table by its offset from the first: two swapped
+    refine = arrays["nested.refine_table"].copy()
+    split = np.flatnonzero(refine[0, 0].reshape(-1) != refine[0, 1].reshape(-1))[0]
+    first, second = (refine[0, c].reshape(-1) for c in (0, 1))
+    first[split], second[split] = second[split], first[split]
+    with pytest.raises(FormatError, match="must be consecutive"):
+        parse(dict(arrays, **{"nested.refine_table": refine}), "previous-token")
 
 
 def test_a_reader_of_tier_k_fetches_the_base_and_refinements_up_to_k_only(

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not simd.AVAILABLE, reason="the host has no AVX-
 
 TOKENS = 24
 ARRAYS = ("words", "wbeg", "wend", "states", "lut", "cum", "mean", "fine", "depth", "lo",
-          "base", "refine")  # fmt: skip
+          "base", "refine", "stride")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,10 @@ def streams(profile, model, sed_text) -> dict[str, np.ndarray]:
     """Every group of 24 real tokens (with values far outside the tables, and a NaN,
     which the encoder clips), coded by the real encoder; words read-only, as a payload's."""
     kv = model.prefill(model.document_ids(sed_text)[: TOKENS + 8])[:, :, :, 8:]
-    mean, fine, depth, lo, size, base, refine = profile.nested_arrays()
+    mean, fine, depth, lo, size, base, refine, stride = profile.nested_arrays()
     x = kv.float().numpy().reshape(-1, TOKENS, kv.shape[4]).copy()
     x[0, 1, 3], x[17, 2, 5], x[100, 0, 7] = 1e4, -1e4, np.nan
-    states, words, start = nested.encode(x, mean, fine, depth, lo, size, base, refine,
+    states, words, start = nested.encode(x, mean, fine, depth, lo, size, base, refine, stride,
                                          profile.freqs)  # fmt: skip
     first = np.cumsum([0] + [len(w) for w in words])[:, None]
     joined = np.concatenate([*words, np.zeros(2, np.uint16)])  # as the codec pads them
@@ -35,6 +35,7 @@ def streams(profile, model, sed_text) -> dict[str, np.ndarray]:
         "words": joined, "wbeg": start[:, :-1] + first[:-1], "wend": start[:, 1:] + first[:-1],
         "states": states, "lut": profile.decode_tables(), "cum": profile.table_starts(),
         "mean": mean, "fine": fine, "depth": depth, "lo": lo, "base": base, "refine": refine,
+        "stride": np.array(stride),
     }  # fmt: skip
 
 

@@ -25,20 +25,21 @@ from tests.test_rans_triton import DTYPES, LAYOUTS, bits, output_buffer, output_
 GROUPS = np.array([0, 7, 61, 118, 179])  # not a multiple of a program's 8 groups
 TOKENS = 4
 ARRAYS = ("words", "wbeg", "wend", "states", "lut", "cum", "mean", "fine", "depth", "lo",
-          "base", "refine")  # fmt: skip
+          "base", "refine", "stride")  # fmt: skip
 CORRUPTIONS = ("flip_word", "truncate", "bad_state")
 
 
 def make_case(profile, kv: torch.Tensor, lanes: slice) -> dict[str, np.ndarray]:
     """Real KV of a few groups (with values far outside the tables' range, and a NaN,
     which the encoder clips), coded by the real encoder with the real profile."""
-    mean, fine, depth, lo, size, base, refine = (a[..., GROUPS, lanes] for a in
-                                                 profile.nested_arrays())  # fmt: skip
+    *arrays, stride = profile.nested_arrays()
+    mean, fine, depth, lo, size, base, refine = (a[..., GROUPS, lanes] for a in arrays)
     G, D = mean.shape
     x = kv.float().numpy().reshape(-1, kv.shape[3], kv.shape[4])[GROUPS, :TOKENS, lanes].copy()
     x[0, 1, 3], x[1, 2, 5], x[2, 0, 7] = 1e4, -1e4, np.nan
     freqs = profile.freqs
-    states, words, word_start = nested.encode(x, mean, fine, depth, lo, size, base, refine, freqs)
+    states, words, word_start = nested.encode(x, mean, fine, depth, lo, size, base, refine,
+                                              stride, freqs)  # fmt: skip
     first = np.cumsum([0] + [len(w) for w in words])[:, None]  # each tier's words, joined
     return {
         "words": np.concatenate([*words, np.zeros(1, np.uint16)]),
@@ -46,6 +47,7 @@ def make_case(profile, kv: torch.Tensor, lanes: slice) -> dict[str, np.ndarray]:
         "wend": word_start[:, 1:] + first[:-1],
         "states": states, "lut": profile.decode_tables(), "cum": profile.table_starts(),
         "mean": mean, "fine": fine, "depth": depth, "lo": lo, "base": base, "refine": refine,
+        "stride": np.array(stride),
     }  # fmt: skip
 
 
@@ -184,13 +186,13 @@ def test_argument_checks() -> None:
     depth = np.zeros((1, 1, 4), dtype=np.int64)
     with pytest.raises(ValueError, match="out must be"):
         nested_triton.decode(0, words, bounds, bounds, states, lut, lut, empty, empty, depth,
-                             empty, empty, empty, wide)  # fmt: skip
+                             empty, empty, empty, 0, wide)  # fmt: skip
     with pytest.raises(ValueError, match="outside the words"):
         nested_triton.decode(0, words, bounds, bounds + 5, states, lut, lut, empty, empty, depth,
-                             empty, empty, empty, torch.empty(1, 2, 4))  # fmt: skip
+                             empty, empty, empty, 0, torch.empty(1, 2, 4))  # fmt: skip
     with pytest.raises(ValueError, match="tiers 0..1"):
         nested_triton.decode(1, words, bounds, bounds, states, lut, lut, empty, empty, depth,
-                             empty, empty, empty, torch.empty(1, 2, 4))  # fmt: skip
+                             empty, empty, empty, 0, torch.empty(1, 2, 4))  # fmt: skip
 
 
 @pytest.mark.gpu

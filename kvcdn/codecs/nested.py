@@ -81,9 +81,9 @@ class NestedCodec(Codec):
         groups = layers * two * heads
         sinks = max(0, min(profile.sinks - start, tokens))
         x = kv.float().numpy().reshape(groups, tokens, dim)
-        mean, fine, depth, lo, size, base, refine = profile.nested_arrays()
+        mean, fine, depth, lo, size, base, refine, stride = profile.nested_arrays()
         states, words, word_start = nested.encode(x[:, sinks:], mean, fine, depth, lo, size,
-                                                  base, refine, profile.freqs)  # fmt: skip
+                                                  base, refine, stride, profile.freqs)  # fmt: skip
         sink = x[:, :sinks].astype("<f2")
         out = []
         for r in range(len(spec.tiers)):
@@ -117,10 +117,10 @@ class NestedCodec(Codec):
         g = st.gids
         if g[-1] - g[0] + 1 == len(g):  # consecutive (all heads): views, not copies
             g = slice(int(g[0]), int(g[-1]) + 1)
-        mean, fine, depth, lo, _, base, refine = (a[..., g, :] for a in
-                                                  profile.nested_arrays())  # fmt: skip
+        *arrays, stride = profile.nested_arrays()
+        mean, fine, depth, lo, _, base, refine = (a[..., g, :] for a in arrays)
         tables = (profile.decode_tables(), profile.table_starts(), mean, fine, depth, lo, base,
-                  refine)  # fmt: skip
+                  refine, stride)  # fmt: skip
         on_gpu = isinstance(dest, TensorDest) and dest.tensor.device.type == "cuda"
         if on_gpu and triton_available():  # decoded on the device, into the tensor
             from kvcdn.kernels import nested_triton
