@@ -87,15 +87,18 @@ def cumulative(freqs: np.ndarray) -> np.ndarray:
     return starts
 
 
-def build_decode_table(freqs: np.ndarray) -> np.ndarray:
-    """``freqs [n_tables, n]`` -> packed decode entries ``[n_tables, 4096]`` (uint32)."""
+def build_decode_table(freqs: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """``freqs [n_tables, n]`` -> packed decode entries ``[n_tables, 4096]`` (uint32);
+    with ``rows``, only those tables' entries (the others stay 0, and untouched pages
+    of the zeroed array take no memory): for profiles whose ternary tables are never
+    decoded through the LUT."""
     check_freqs(freqs)
     freqs = np.asarray(freqs, dtype=np.uint32)
     starts = cumulative(freqs)
     n_tables, n = freqs.shape
     lut = np.zeros((n_tables, PROB_SCALE), dtype=np.uint32)
     slots = np.arange(PROB_SCALE, dtype=np.uint32)
-    for t in range(n_tables):
+    for t in range(n_tables) if rows is None else np.unique(rows):
         sym = np.repeat(np.arange(n, dtype=np.uint32), freqs[t])  # zero-frequency symbols vanish
         start = starts[t][sym]
         lut[t] = sym | ((freqs[t][sym] - 1) << 8) | ((slots - start) << 20)
