@@ -179,7 +179,7 @@ def encode(
         np.ascontiguousarray(mean, dtype=np.float32), np.ascontiguousarray(fine, dtype=np.float32),
         top, depth, np.ascontiguousarray(lo, dtype=np.int64),
         np.ascontiguousarray(size, dtype=np.int64), np.ascontiguousarray(base_tid, dtype=np.int64),
-        np.ascontiguousarray(refine_tid, dtype=np.int64), _stride(stride), freqs32,
+        np.ascontiguousarray(refine_tid, dtype=np.int64), check_stride(stride), freqs32,
         cumulative(freqs32),
         scratch, lengths, states,
     )  # fmt: skip
@@ -190,7 +190,9 @@ def encode(
     return states, [flat[r, : word_start[r, -1]].copy() for r in range(R)], word_start
 
 
-def _stride(stride: int) -> int:
+def check_stride(stride: int) -> int:
+    """``stride`` as the kernels take it: 1 where a context's tables follow the first's,
+    0 where every context uses the first."""
     if stride not in (0, 1):
         raise ValueError("stride must be 0 or 1")
     return int(stride)
@@ -389,7 +391,7 @@ def decode(
     depth = np.ascontiguousarray(depth, dtype=np.int64)
     tables = (
         np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(base_tid, dtype=np.int64),
-        np.ascontiguousarray(refine_tid, dtype=np.int64), _stride(stride),
+        np.ascontiguousarray(refine_tid, dtype=np.int64), check_stride(stride),
     )  # fmt: skip
     if vector and nested_simd.usable(out, words, lut, wbeg, wend):
         nested_simd.decode(*args, depth, *tables, out, status)

@@ -17,9 +17,10 @@ position), but groups are independent, so each vector lane keeps one group's sta
   0.44-0.55 in stored order).
 * A ternary table needs no lookup: its symbol is the count of its two cut points at
   or below the slot, its start and next cut are blends of them.
-* Contexts (the previous token's symbol in the lane): the base's table is the lane's
-  first plus the context times ``stride`` (a LUT row further); a refinement's cut
-  points are blended from the nine contexts' by the previous symbol, then the parent.
+* Contexts (the previous token's symbol in the lane): the base's LUT row is the middle
+  context's plus ``sign(previous index)`` rows where the tables depend on it (a mask,
+  no branch); a refinement's cut points are blended from the nine contexts' by the
+  previous symbol, then the parent.
 * Values: each group's row of the token gathered from the lanes' indices and written
   as sixteen consecutive floats, ``mean + float32(n) * scale`` rounded twice as the
   scalar kernel rounds them.

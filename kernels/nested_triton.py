@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .nested import STATES, _stride
+from .nested import STATES, check_stride
 from .rans import PROB_BITS, PROB_SCALE, RANS_L, RansError
 from .rans_triton import array_to_device, available
 
@@ -231,7 +231,7 @@ def tables(
     return Tables(k, G, D, put(lut.reshape(-1), np.uint32, np.int32), put(cum, np.uint32, np.int32),
                   put(lanes, np.int32), put(m, np.int32), put(lo, np.int32),
                   put(base_tid, np.int32), put(refine, np.int32), put(scale, np.float32),
-                  put(mean, np.float32), _stride(stride))  # fmt: skip
+                  put(mean, np.float32), check_stride(stride))  # fmt: skip
 
 
 def decode(

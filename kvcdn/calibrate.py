@@ -510,6 +510,14 @@ NESTED_CLASSES_PER_OCTAVE = 2
 Tables = list[tuple[np.ndarray, int, int]]  # (frequencies, lo, size) each
 
 
+def lag1_correlation(x: np.ndarray, x_next: np.ndarray) -> np.ndarray:
+    """Each stream's correlation between its values ``x [N, T]`` and the next token's
+    ``x_next [N, T]`` (pairs of adjacent tokens)."""
+    a = x - x.mean(axis=1, keepdims=True)
+    b = x_next - x_next.mean(axis=1, keepdims=True)
+    return (a * b).mean(axis=1) / np.maximum(a.std(axis=1) * b.std(axis=1), 1e-12)
+
+
 def _nested_tables(plan: Any, x: np.ndarray, x_next: np.ndarray, sd: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray, Tables]:  # fmt: skip
     """The nested ladder's rANS tables, chosen by the previous token's symbol
@@ -526,10 +534,7 @@ def _nested_tables(plan: Any, x: np.ndarray, x_next: np.ndarray, sd: np.ndarray
 
     from . import progressive as pg
 
-    a = x - x.mean(axis=1, keepdims=True)
-    b = x_next - x_next.mean(axis=1, keepdims=True)
-    rho = (a * b).mean(axis=1) / np.maximum(a.std(axis=1) * b.std(axis=1), 1e-12)
-    del a, b
+    rho = lag1_correlation(x, x_next)
     correlated = (rho > np.median(rho)).astype(np.int64)
 
     def classes(step: np.ndarray) -> np.ndarray:

@@ -104,22 +104,17 @@ def _symbols(x: np.ndarray, plan: Any) -> tuple[list[np.ndarray], list[tuple[Any
     return n, tiers
 
 
-def _lag1(x: np.ndarray) -> np.ndarray:
-    a = x[:, 1:] - x[:, 1:].mean(axis=1, keepdims=True)
-    b = x[:, :-1] - x[:, :-1].mean(axis=1, keepdims=True)
-    return (a * b).mean(axis=1) / np.maximum(a.std(axis=1) * b.std(axis=1), 1e-12)
-
-
 def context_study(x_cal: np.ndarray, docs: dict[str, np.ndarray], plan: Any,
                   body_cal: np.ndarray) -> dict[str, Any]:  # fmt: skip
     """Both schemes' bits per element at every tier of ``plan`` on each of ``docs``
     (streams ``[N, T]``, mean removed), tables built on ``x_cal`` (the calibration
     streams, every token), and the KLT bound on ``body_cal`` (``[L, 2, H, T, D]``)."""
     from kvcdn import progressive as pg
+    from kvcdn.calibrate import lag1_correlation
 
     limit = pg.BASE_LIMIT
     sd = x_cal.std(axis=1)
-    rho = _lag1(x_cal)
+    rho = lag1_correlation(x_cal[:, :-1], x_cal[:, 1:])
     correlated = (rho > np.median(rho)).astype(np.int64)
     n_cal, tiers_cal = _symbols(x_cal, plan)
 
