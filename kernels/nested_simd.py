@@ -9,8 +9,10 @@ position), but groups are independent, so each vector lane keeps one group's sta
 * The base: one step per (token, lane ``d``) decodes lane ``d`` of all sixteen groups,
   states taken in turn as the format interleaves them.
 * A refinement: groups split different lanes, so step ``q`` decodes each group's
-  ``q``-th coded lane (its index gathered, its parent index gathered, the new index
-  scattered back); a group with fewer coded lanes steps through a table of one
+  ``q``-th coded lane: its parent index is gathered from wherever the lane's last
+  index lies (the base's row or an earlier tier's step), and the new index is stored
+  in the step's own row (a store: a scatter back into the base's row cost a sixth of
+  the refinements' time); a group with fewer coded lanes steps through a table of one
   symbol of probability 1 for the last steps, which changes nothing (no masks). To
   waste few steps, :func:`decode` blocks the groups in the order of their coded-lane
   counts, tier by tier (0.64-0.82 of the steps busy on the embedded model, against
@@ -21,7 +23,7 @@ position), but groups are independent, so each vector lane keeps one group's sta
   context's plus ``sign(previous index)`` rows where the tables depend on it (a mask,
   no branch); a refinement's cut points are blended from the nine contexts' by the
   previous symbol, then the parent.
-* Values: each group's row of the token gathered from the lanes' indices and written
+* Values: each group's row of the token gathered from its lanes' last indices and written
   as sixteen consecutive floats, ``mean + float32(n) * scale`` rounded twice as the
   scalar kernel rounds them.
 
@@ -38,7 +40,7 @@ from numba import njit
 from . import parallel
 from .nested import STATES, _pow3
 from .rans import PROB_BITS, RANS_L
-from .simd import W, gather, load, minimum, put_values, scatter, select, sra, store
+from .simd import W, gather, load, minimum, put_values, select, sra, store
 
 _MASK = (1 << PROB_BITS) - 1
 _SLOTS = 1 << PROB_BITS
@@ -68,14 +70,14 @@ def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _base_step(x, p, last, at, rows, low, lut, words, n, base, smask
+def _base_step(x, p, last, at, rows, low, lut, words, n, smask
                ):  # pragma: no cover - jitted  # fmt: skip
     """Lane ``at // W`` of every group from its states ``x`` (word position ``p``):
-    (new states, new position); the indices go to ``n[at:at + W]`` and ``base[at:]``,
-    whose values at the previous token choose each group's table (``rows[at:]``: the
-    middle context's; ``smask``: all ones where the context moves it by a table of
-    ``sign(prev)``, else 0)."""
-    prev = load(base, at)
+    (new states, new position); the indices go to ``n[at:at + W]``, whose values at
+    the previous token choose each group's table (``rows[at:]``: the middle context's;
+    ``smask``: all ones where the context moves it by a table of ``sign(prev)``, else
+    0). Refinements never write this row, so it holds the previous token's indices."""
+    prev = load(n, at)
     sign = (prev != 0) | sra(prev, 31)  # -1, 0 or 1 (wrapping)
     slot = x & _MASK
     e = gather(lut, load(rows, at) + ((sign << PROB_BITS) & smask) + slot)
@@ -84,18 +86,18 @@ def _base_step(x, p, last, at, rows, low, lut, words, n, base, smask
     w = gather(words, minimum(p, last))
     index = (e & 0xFF) + load(low, at)
     store(n, at, index)
-    store(base, at, index)
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def _refine_step(x, p, last, at, coded, cuts, prev, words, n):  # pragma: no cover - jitted
-    """Coded lane ``at`` of a tier (``coded[at * W:]``: where each group's index lies in
-    ``n``; ``prev[at * W:]`` its symbol at the previous token): (new states, new
-    position). A ternary table is its two cut points (``cuts[at * 9 * W:]``: ``first |
-    second << 16`` per context ``3 min(|parent|, 2) + prev``). A group past its last
-    coded lane steps through a table of one symbol of probability 1, which leaves its
-    state, and so its position, as they are, and writes a scratch index."""
+    """Coded lane ``at`` of a tier (``coded[at * W:]``: where each group's parent index
+    lies in ``n``; ``prev[at * W:]`` its symbol at the previous token): (new states,
+    new position); the new indices go to ``n[at * W:]``. A ternary table is its two
+    cut points (``cuts[at * 9 * W:]``: ``first | second << 16`` per context ``3
+    min(|parent|, 2) + prev``). A group past its last coded lane steps through a table
+    of one symbol of probability 1, which leaves its state, and so its position, as
+    they are, and writes an index nothing reads."""
     where = load(coded, at * W)
     parent = gather(n, where)
     sign = sra(parent, 31)
@@ -121,7 +123,7 @@ def _refine_step(x, p, last, at, coded, cuts, prev, words, n):  # pragma: no cov
     w = gather(words, minimum(p, last))
     store(prev, at * W, above_first + above_second)
     step = above_first + above_second - 1  # counted from the mean's side
-    scatter(n, where, parent * 3 + step * (sign | 1))
+    store(n, at * W, parent * 3 + step * (sign | 1))
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
@@ -135,7 +137,6 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
     group_stride, token_stride = out.strides[0] // 4, out.strides[1] // 4
     smask = np.uint32(0xFFFFFFFF) if stride else np.uint32(0)
     rows = np.empty(D * W, np.uint32)  # lane-major: [d * W + lane]
-    base = np.empty(D * W, np.uint32)  # [d * W + lane]: the previous token's base indices
     low = np.empty(D * W, np.uint32)
     mu = np.empty(W * D, np.float32)  # group-major: [lane * D + d]
     scale = np.empty(W * D, np.float32)
@@ -146,11 +147,10 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
     pos = np.empty(R * W, np.uint32)
     last = np.empty(R * W, np.uint32)
     steps = np.zeros(R, np.int64)
-    # [d * W + lane], then a scratch row per step, which an idle step reads and writes:
-    # one row for all would make each step's gather wait for the last step's scatter
-    n = np.zeros(2 * D * W, np.uint32)
+    # indices: the base's [d * W + lane], then a row per refinement step [at * W + lane]
+    n = np.zeros(R * D * W, np.uint32)
+    fin = np.empty(W * D, np.uint32)  # [lane * D + d]: where lane d's last index lies in n
     groups = np.empty(W, np.int64)
-    iota = np.arange(W).astype(np.uint32)
     for block in range(b0, b1):
         steps[:] = 0
         for lane in range(W):
@@ -158,7 +158,8 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
             groups[lane] = g
             for d in range(D):
                 rows[d * W + lane] = (base_tid[g, d] + stride) * _SLOTS  # context 1's
-                base[d * W + lane] = 0
+                n[d * W + lane] = 0
+                fin[lane * D + d] = d * W + lane
                 low[d * W + lane] = np.uint32(np.int64(lo[g, d]) & 0xFFFFFFFF)
                 mu[lane * D + d] = mean[g, d]
                 scale[lane * D + d] = np.float32(_pow3(top[g, d] - depth[k, g, d])) * fine[g, d]
@@ -167,7 +168,8 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
                 for d in range(D if r > 0 else 0):
                     if depth[r, g, d] != depth[r - 1, g, d]:
                         at = r * D + q
-                        coded[at * W + lane] = d * W + lane
+                        coded[at * W + lane] = fin[lane * D + d]
+                        fin[lane * D + d] = at * W + lane
                         prev[at * W + lane] = 1
                         for c in range(9):  # 3 (parent's context) + the previous symbol
                             tab = refine_tid[r - 1, c // 3, g, d] + (c % 3) * stride
@@ -175,7 +177,7 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
                         q += 1
                 for rest in range(q, D if r > 0 else 0):  # past its coded lanes
                     at = r * D + rest
-                    coded[at * W + lane] = (D + rest) * W + lane
+                    coded[at * W + lane] = at * W + lane
                     prev[at * W + lane] = 0
                     for c in range(9):
                         cuts[(at * 9 + c) * W + lane] = _SLOTS | (_SLOTS << 16)
@@ -184,19 +186,14 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
                     xs[(r * STATES + i) * W + lane] = states[r, g, i]
                 pos[r * W + lane] = wbeg[r, g]
                 last[r * W + lane] = max(wend[r, g] - 1, wbeg[r, g])
-        spread = load(iota, 0) * W
         for t in range(T):
             x0, x1, x2, x3 = load(xs, 0), load(xs, W), load(xs, 2 * W), load(xs, 3 * W)
             p, end = load(pos, 0), load(last, 0)
             for d in range(0, D, 4):
-                x0, p = _base_step(x0, p, end, d * W, rows, low, lut, words, n, base,
-                                   smask)
-                x1, p = _base_step(x1, p, end, (d + 1) * W, rows, low, lut, words, n, base,
-                                   smask)
-                x2, p = _base_step(x2, p, end, (d + 2) * W, rows, low, lut, words, n, base,
-                                   smask)
-                x3, p = _base_step(x3, p, end, (d + 3) * W, rows, low, lut, words, n, base,
-                                   smask)
+                x0, p = _base_step(x0, p, end, d * W, rows, low, lut, words, n, smask)
+                x1, p = _base_step(x1, p, end, (d + 1) * W, rows, low, lut, words, n, smask)
+                x2, p = _base_step(x2, p, end, (d + 2) * W, rows, low, lut, words, n, smask)
+                x3, p = _base_step(x3, p, end, (d + 3) * W, rows, low, lut, words, n, smask)
             store(xs, 0, x0)
             store(xs, W, x1)
             store(xs, 2 * W, x2)
@@ -211,14 +208,11 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
                 while a < e:
                     x0, p = _refine_step(x0, p, end, a, coded, cuts, prev, words, n)
                     if a + 1 < e:
-                        x1, p = _refine_step(x1, p, end, a + 1, coded, cuts, prev, words,
-                                             n)
+                        x1, p = _refine_step(x1, p, end, a + 1, coded, cuts, prev, words, n)
                     if a + 2 < e:
-                        x2, p = _refine_step(x2, p, end, a + 2, coded, cuts, prev, words,
-                                             n)
+                        x2, p = _refine_step(x2, p, end, a + 2, coded, cuts, prev, words, n)
                     if a + 3 < e:
-                        x3, p = _refine_step(x3, p, end, a + 3, coded, cuts, prev, words,
-                                             n)
+                        x3, p = _refine_step(x3, p, end, a + 3, coded, cuts, prev, words, n)
                     a += 4
                 store(xs, o, x0)
                 store(xs, o + W, x1)
@@ -228,7 +222,7 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
             for lane in range(W):
                 row = groups[lane] * group_stride + t * token_stride
                 for d in range(0, D, W):
-                    put_values(out, row + d, gather(n, spread + (d * W + lane)), mu, scale,
+                    put_values(out, row + d, gather(n, load(fin, lane * D + d)), mu, scale,
                                lane * D + d)  # fmt: skip
         for lane in range(W):
             g = groups[lane]

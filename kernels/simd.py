@@ -9,13 +9,12 @@ seventh of those loads here (0.15 against 1.07 ns an element, measured with four
 independent chains), so this module names the instructions itself: :data:`vec` is a
 numba type whose LLVM value is ``<16 x i32>``, the arithmetic operators work on it
 (lane by lane, unsigned, wrapping; an integer operand is broadcast), and
-:func:`gather`, :func:`scatter`, :func:`load`, :func:`store`, :func:`select`,
-:func:`put_values` are the memory and blend operations, each one instruction or a
-few.
+:func:`gather`, :func:`load`, :func:`store`, :func:`select`, :func:`put_values` are
+the memory and blend operations, each one instruction or a few.
 
-Only where :data:`AVAILABLE`: the x86 gather and scatter intrinsics compile nowhere
-else, so callers keep a scalar kernel for other hosts (and for a numba told to
-compile for another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
+Only where :data:`AVAILABLE`: the x86 gather intrinsic compiles nowhere else, so
+callers keep a scalar kernel for other hosts (and for a numba told to compile for
+another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
 
 Indices are element indices into 1-D arrays, signed 32-bit in the instructions, so
 callers keep every gathered array under 2^31 elements.
@@ -191,15 +190,6 @@ def _gather_dwords(builder, base, index, scale):
     return builder.call(fn, [ir.Constant(_VT, ir.Undefined), base, index, _ALL, _I32(scale)])
 
 
-def _scatter_dwords(builder, base, index, values):
-    """Stores ``values`` at ``base + index * 4`` bytes (``vpscatterdd``)."""
-    fnty = ir.FunctionType(ir.VoidType(), [_I8P, _VM, _VT, _VT, _I32])
-    fn = cgutils.get_or_insert_function(
-        builder.module, fnty, "llvm.x86.avx512.mask.scatter.dpi.512"
-    )
-    builder.call(fn, [base, _ALL, index, values, _I32(4)])
-
-
 @intrinsic
 def gather(typingctx, arr, index):
     """``arr[index]`` in each lane, zero-extended (a 1-D array of 16- or 32-bit integers).
@@ -219,19 +209,6 @@ def gather(typingctx, arr, index):
         return got if bits == 32 else builder.and_(got, _const(0xFFFF))
 
     return vec(arr, index), codegen
-
-
-@intrinsic
-def scatter(typingctx, arr, index, value):
-    """``arr[index] = value`` in every lane (32-bit elements; where two lanes name one
-    element, the higher lane's value stays)."""
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        _scatter_dwords(builder, builder.bitcast(data, _I8P), args[1], args[2])
-        return context.get_dummy_value()
-
-    return types.none(arr, index, value), codegen
 
 
 @intrinsic
