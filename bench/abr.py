@@ -32,7 +32,10 @@ trace at that offset (``POST /shaping``), with:
 Time to first token is the load (from the call, model loaded) plus the first
 token of a question. Quality is the token-weighted mean of each chunk's
 level score (top-1 agreement with exact KV minus KL; 1.0 for text). Prints a
-table, writes JSON and a PNG.
+table, then each method against ``kvcdn`` on the same loads: the mean over all loads
+scores a missed deadline whose chunks were recomputed as quality 1.0, so quality is
+also compared where both met the deadline, beside the loads only one of them met.
+Writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ SHARED_TRACES = REPO.parent / "shared" / "traces"
 QUESTION = "How do I use this command?"
 LEVELS = ("nearlossless", "high", "default", "low", "lowest")
 NESTED_METHODS = ("nested", "nested-base-first")
+NESTED_SUFFIX = "-nested"  # the nested publication of a document: its name and this
 METHODS = ("kvcdn", "cachegen", "oracle", *NESTED_METHODS, *LEVELS, "prefill")
 
 
@@ -187,9 +191,9 @@ def main() -> int:
         with console.status(f"publishing {name}…"):
             publish(text=text, name=name, model=model, store=str(store))
             if nested:  # the same document, the nested ladder
-                publish(text=text, name=f"{name}-nested", model=model, store=str(store),
+                publish(text=text, name=f"{name}{NESTED_SUFFIX}", model=model, store=str(store),
                         levels="nested")  # fmt: skip
-    names = [name for name, _ in docs] + [f"{name}-nested" for name, _ in docs if nested]
+    names = [name for name, _ in docs] + [f"{name}{NESTED_SUFFIX}" for name, _ in docs if nested]
     manifests = {name: read_manifest(open_store(str(store)), name) for name in names}
     scores = {name: quality_scores(m) for name, m in manifests.items()}
 
@@ -273,7 +277,10 @@ def main() -> int:
             f"{s['refined_per_load']:.1f}",
             str(s["refinements_dropped"]),
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if (paired := _paired_table(summary)) is not None:
+        console.print(paired)
     result = {
         "benchmark": "abr",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -331,7 +338,7 @@ def _run(
         }
     elif method in NESTED_METHODS:  # the SDK's defaults on the nested publication
         forget_links()
-        name = f"{name}-nested"
+        name = f"{name}{NESTED_SUFFIX}"
         kwargs = {"deadline_s": args.deadline}
         if method == "nested-base-first":
             kwargs["policy"] = base_first
@@ -385,7 +392,46 @@ def _summarise(runs: list[dict[str, Any]], methods: list[str], deadline: float) 
     oracle = summary.get("oracle", {}).get("mean_quality") or 1.0
     for s in summary.values():
         s["quality_vs_oracle"] = s["mean_quality"] / oracle
+    for method, s in summary.items():
+        if method != "kvcdn" and "kvcdn" in summary:
+            s["paired_with_kvcdn"] = _paired(runs, method, deadline)
     return summary
+
+
+def _paired_table(summary: dict[str, Any]) -> Any:
+    """The methods against kvcdn on the same loads (:func:`_paired`), or None."""
+    from rich.table import Table
+
+    table = Table(title="against kvcdn on the same loads: quality where both met the deadline")
+    for col in ("method", "loads", "both met", "kvcdn quality", "quality", "met only by it",
+                "met only by kvcdn"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for method, s in summary.items():
+        if (p := s.get("paired_with_kvcdn")) and p["both_met"]:
+            table.add_row(method, str(p["loads"]), str(p["both_met"]),
+                          f"{p['kvcdn_quality_both_met']:.4f}", f"{p['quality_both_met']:.4f}",
+                          str(p["met_only_by_method"]), str(p["met_only_by_kvcdn"]))  # fmt: skip
+    return table if table.row_count else None
+
+
+def _paired(runs: list[dict[str, Any]], method: str, deadline: float) -> dict[str, Any]:
+    """``method`` against ``kvcdn`` on the same loads (trace, offset, document): a mean
+    over all loads scores a missed deadline that recomputed as quality 1.0, so quality
+    is compared where both met the deadline, and the loads only one met are counted."""
+    def load(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["trace"], r["offset_s"], r["doc"].removesuffix(NESTED_SUFFIX)
+
+    theirs = {load(r): r for r in runs if r["method"] == method}
+    pairs = [(r, theirs[load(r)]) for r in runs if r["method"] == "kvcdn" and load(r) in theirs]
+    both = [(a, b) for a, b in pairs if a["ttft_s"] <= deadline and b["ttft_s"] <= deadline]
+    return {
+        "loads": len(pairs),
+        "both_met": len(both),
+        "kvcdn_quality_both_met": statistics.fmean(a["quality"] for a, _ in both) if both else None,
+        "quality_both_met": statistics.fmean(b["quality"] for _, b in both) if both else None,
+        "met_only_by_method": sum(a["ttft_s"] > deadline >= b["ttft_s"] for a, b in pairs),
+        "met_only_by_kvcdn": sum(b["ttft_s"] > deadline >= a["ttft_s"] for a, b in pairs),
+    }
 
 
 def _plot(summary: dict[str, Any], runs: list[dict[str, Any]], deadline: float, png: Path) -> None:
