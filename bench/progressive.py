@@ -36,9 +36,10 @@ Also measured, as the design's ablation: the first refinement made by splitting
 every cell in two (a midrise quantiser of half the base step) against the
 midtread quantiser of the same step.
 
-``--contexts`` adds what the profile's nested symbols would cost coded with the
-previous token's symbol as context (:mod:`codecbench.contexts`): tables built on the
-calibration texts, code lengths on the held-out documents, beside today's scheme.
+``--contexts`` adds what the profile's nested symbols cost coded with the previous
+token's symbol as context and without (:mod:`codecbench.contexts`): tables built on
+the calibration texts, code lengths on the held-out documents; then the base with
+one more context beside the previous token's.
 
 Writes a table and ``bench/results/progressive.json`` (or ``--json``).
 """
@@ -238,7 +239,7 @@ def contexts_study(console: Any, args: argparse.Namespace, model: Any, profile: 
     symbol, both with tables built on the calibration texts (:mod:`codecbench.contexts`)."""
     import numpy as np
     import torch
-    from codecbench.contexts import context_study
+    from codecbench.contexts import base_candidates, context_study
     from rich.table import Table
 
     from kvcdn import progressive as pg
@@ -253,12 +254,14 @@ def contexts_study(console: Any, args: argparse.Namespace, model: Any, profile: 
     body = torch.cat([s.kv[:, :, :, sinks:] for s in calib], dim=3).numpy()
     docs = {doc: pg.streams_of(sample.kv[:, :, :, sinks:].numpy(), mean)
             for doc, (_, sample) in samples.items()}  # fmt: skip
-    result = context_study(pg.streams_of(body, mean), docs, plan, body)
+    x_cal = pg.streams_of(body, mean)
+    result = context_study(x_cal, docs, plan, body)
+    result["base_candidates"] = base_candidates(x_cal, docs, plan, body.shape[-1])
     log(f"contexts study in {time.perf_counter() - t:.0f} s")
     table = Table(title=f"Nested symbols with the previous token as context: {model.name}, "
                   f"mean of {len(docs)} held-out documents, tables from the calibration "
                   "texts (bits: code lengths, tokens after the sinks)")  # fmt: skip
-    for col in ("tier", "today bits", "previous-token bits", "ratio", "tables today",
+    for col in ("tier", "no-context bits", "previous-token bits", "ratio", "tables no context",
                 "tables previous"):  # fmt: skip
         table.add_column(col, justify="right")
     for k, name in enumerate(spec.tiers):
@@ -266,6 +269,14 @@ def contexts_study(console: Any, args: argparse.Namespace, model: Any, profile: 
         table.add_row(name, f"{a:.3f}", f"{b:.3f}", f"{b / a:.3f}x",
                       str(sum(result["tables"]["today"][: k + 1])),
                       str(sum(result["tables"]["previous"][: k + 1])))  # fmt: skip
+    console.print(table)
+    table = Table(title="The base with the previous token and one more context (bits per element "
+                  "of the documents, held-out mean)")  # fmt: skip
+    for col in ("context", "base bits", "vs previous token", "tables"):
+        table.add_column(col, justify="right")
+    first = result["base_candidates"]["previous token"]["bits"]
+    for name, c in result["base_candidates"].items():
+        table.add_row(name, f"{c['bits']:.4f}", f"{c['bits'] - first:+.4f}", str(c["tables"]))
     console.print(table)
     q = result["lag1_correlation_quartiles"]
     g = result["klt_gain_bits"]

@@ -1,8 +1,9 @@
-"""What the nested ladder's symbols would cost with the previous token as context.
+"""What the nested ladder's symbols cost with the previous token as context, and without.
 
-The nested codec codes each symbol with a static table chosen by the stream's spread
-class (the base) or by spread class and the parent cell (a refinement): no symbol's
-table depends on the token before it. Adjacent tokens are correlated in some channels
+This is the study the codec's contexts were chosen by (2026-11-28). Before, the nested
+codec coded each symbol with a static table chosen by the stream's spread class (the
+base) or by spread class and the parent cell (a refinement): no symbol's table
+depended on the token before it. Adjacent tokens are correlated in some channels
 (the lag-1 correlation of the embedded model's streams, mean removed, has quartiles
 0.13, 0.31 and 0.54 on the calibration texts), so a table chosen by the previous
 token's symbol could cost less. This measures how much, with tables as a profile
@@ -10,13 +11,20 @@ would hold them (built on the calibration texts, rounded to the coder's 4,096-sl
 frequencies) and applied to held-out documents: the code length of every tier's
 symbols, tokens after the sinks, in both schemes:
 
-* ``today``: what the codec does (:mod:`kvcdn.progressive`, ``kvcdn.calibrate``): a
+* ``today`` (the key keeps its first name): what the codec did before (a
   base table per spread class (sd / step, thirds of an octave), a refinement table per
-  tier, spread class and parent context;
-* ``previous``: a base table per spread class (halves of an octave), lag-1
-  correlation (above or below the calibration median) and the previous token's base
-  index clipped to ``-1..1``; a refinement table per tier, spread class, parent context
+  tier, spread class and parent context);
+* ``previous``, about what the codec does now (``kvcdn.calibrate``): a base table per
+  spread class (halves of an octave), lag-1 correlation (above or below the
+  calibration median) and the previous token's base index clipped to ``-1..1``; a
+  refinement table per tier, spread class, parent context
   and the previous token's symbol of the same tier and stream.
+
+Then, for the base alone, what other contexts would add to the previous token's (the
+codec's since 2026-11-28), each with the ``previous`` scheme's classes: the previous
+index clipped to ``-2..2`` instead of ``-1..1``; the sign of the index two tokens back;
+the magnitude (0, 1, 2 or more) of the same token's previous channel; and of the
+channel that RoPE rotates with this one (``d - D/2``, decoded before it in the token).
 
 Also the channel decorrelation bound: per (layer, K/V, head), the high-resolution
 coding gain of a KLT over its channels, ``(mean log2 var - mean log2 eigenvalue) / 2``
@@ -166,6 +174,55 @@ def context_study(x_cal: np.ndarray, docs: dict[str, np.ndarray], plan: Any,
         "klt_gain_bits": klt_gain(body_cal),
         "documents": per_doc,
     }
+
+
+def base_candidates(x_cal: np.ndarray, docs: dict[str, np.ndarray], plan: Any,
+                    head_dim: int) -> dict[str, dict[str, float]]:  # fmt: skip
+    """The base's bits per element (mean over ``docs``) and table count under the
+    previous token's context and under each candidate added to it (module docstring).
+    Streams are rows ``(layer, K/V, head, channel)``, channels ``head_dim`` a head."""
+    from kvcdn import progressive as pg
+    from kvcdn.calibrate import lag1_correlation
+
+    limit = pg.BASE_LIMIT
+    channel = np.arange(x_cal.shape[0]) % head_dim
+    half = head_dim // 2
+    sd = x_cal.std(axis=1)
+    rho = lag1_correlation(x_cal[:, :-1], x_cal[:, 1:])
+    cls = _spread_class(sd / plan.step(0), SPREAD_PER_OCTAVE["previous"]) * 2 + (
+        rho > np.median(rho))
+
+    def shifted(n0: np.ndarray, rows: int, tokens: int) -> np.ndarray:
+        """``n0`` of the row ``rows`` before, ``tokens`` tokens before (0 outside)."""
+        out = np.zeros_like(n0)
+        out[rows:, tokens:] = n0[: n0.shape[0] - rows, : n0.shape[1] - tokens]
+        return out
+
+    def magnitude(values: np.ndarray, has: np.ndarray) -> np.ndarray:
+        return np.where(has[:, None], np.minimum(np.abs(values), 2), 3)
+
+    def previous(n0: np.ndarray) -> np.ndarray:
+        return np.clip(shifted(n0, 0, 1), -1, 1) + 1
+
+    candidates = {
+        "previous token": previous,
+        "previous token, -2..2": lambda n0: np.clip(shifted(n0, 0, 1), -2, 2) + 2,
+        "+ two tokens back": lambda n0: previous(n0) * 3 + np.clip(shifted(n0, 0, 2), -1, 1) + 1,
+        "+ previous channel": lambda n0: previous(n0) * 4 + magnitude(shifted(n0, 1, 0),
+                                                                     channel > 0),
+        "+ RoPE partner": lambda n0: previous(n0) * 4 + magnitude(shifted(n0, half, 0),
+                                                                 channel >= half),
+    }  # fmt: skip
+    n_cal = pg.indices(x_cal, plan)[0]
+    n_docs = {doc: pg.indices(x, plan)[0] for doc, x in docs.items()}
+    out: dict[str, dict[str, float]] = {}
+    for name, context in candidates.items():
+        tables = _Tables(n_cal + limit, np.broadcast_to(cls[:, None], n_cal.shape),
+                         context(n_cal), 2 * limit + 1, margin=True)  # fmt: skip
+        bits = [tables.bits(n + limit, np.broadcast_to(cls[:, None], n.shape), context(n))
+                / docs[doc].size for doc, n in n_docs.items()]  # fmt: skip
+        out[name] = {"bits": float(np.mean(bits)), "tables": len(tables)}
+    return out
 
 
 def klt_gain(body: np.ndarray) -> dict[str, float]:
