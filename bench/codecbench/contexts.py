@@ -34,6 +34,7 @@ are fine, before its cost in sensitivity weighting (``docs/levels.md``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,29 @@ class _Tables:
         return len(self.cost)
 
 
+def _stream_classes(x_cal: np.ndarray) -> tuple[Callable[[str, np.ndarray], np.ndarray],
+                                                 np.ndarray]:  # fmt: skip
+    """Each calibration stream's class under a scheme, given a tier's steps (spread in
+    the scheme's fractions of an octave; for ``previous``, also whether the stream's
+    lag-1 correlation is above the median), and the streams' lag-1 correlations."""
+    from kvcdn.calibrate import lag1_correlation
+
+    sd = x_cal.std(axis=1)
+    rho = lag1_correlation(x_cal[:, :-1], x_cal[:, 1:])
+    correlated = (rho > np.median(rho)).astype(np.int64)
+
+    def classes(scheme: str, step: np.ndarray) -> np.ndarray:
+        cls = _spread_class(sd / step, SPREAD_PER_OCTAVE[scheme])
+        return cls * 2 + correlated if scheme == "previous" else cls
+
+    return classes, rho
+
+
+def _previous_base(n0: np.ndarray) -> np.ndarray:
+    """The base's context of the ``previous`` scheme: the previous index's sign (0-2)."""
+    return np.clip(_previous(n0, 0), -1, 1) + 1
+
+
 def _symbols(x: np.ndarray, plan: Any) -> tuple[list[np.ndarray], list[tuple[Any, ...]]]:
     """Base indices, and per refinement (split rows, symbols, parent contexts)."""
     from kvcdn import progressive as pg
@@ -118,22 +142,13 @@ def context_study(x_cal: np.ndarray, docs: dict[str, np.ndarray], plan: Any,
     (streams ``[N, T]``, mean removed), tables built on ``x_cal`` (the calibration
     streams, every token), and the KLT bound on ``body_cal`` (``[L, 2, H, T, D]``)."""
     from kvcdn import progressive as pg
-    from kvcdn.calibrate import lag1_correlation
 
     limit = pg.BASE_LIMIT
-    sd = x_cal.std(axis=1)
-    rho = lag1_correlation(x_cal[:, :-1], x_cal[:, 1:])
-    correlated = (rho > np.median(rho)).astype(np.int64)
+    classes, rho = _stream_classes(x_cal)
     n_cal, tiers_cal = _symbols(x_cal, plan)
 
-    def classes(scheme: str, step: np.ndarray) -> np.ndarray:
-        cls = _spread_class(sd / step, SPREAD_PER_OCTAVE[scheme])
-        return cls * 2 + correlated if scheme == "previous" else cls
-
     def base_ctx(scheme: str, n0: np.ndarray) -> np.ndarray:
-        if scheme == "today":
-            return np.zeros_like(n0)
-        return np.clip(_previous(n0, 0), -1, 1) + 1
+        return np.zeros_like(n0) if scheme == "today" else _previous_base(n0)
 
     def refine_ctx(scheme: str, sym: np.ndarray, ctx: np.ndarray) -> np.ndarray:
         return ctx if scheme == "today" else ctx * 3 + _previous(sym, 1)
@@ -182,15 +197,11 @@ def base_candidates(x_cal: np.ndarray, docs: dict[str, np.ndarray], plan: Any,
     previous token's context and under each candidate added to it (module docstring).
     Streams are rows ``(layer, K/V, head, channel)``, channels ``head_dim`` a head."""
     from kvcdn import progressive as pg
-    from kvcdn.calibrate import lag1_correlation
 
     limit = pg.BASE_LIMIT
     channel = np.arange(x_cal.shape[0]) % head_dim
     half = head_dim // 2
-    sd = x_cal.std(axis=1)
-    rho = lag1_correlation(x_cal[:, :-1], x_cal[:, 1:])
-    cls = _spread_class(sd / plan.step(0), SPREAD_PER_OCTAVE["previous"]) * 2 + (
-        rho > np.median(rho))
+    cls = _stream_classes(x_cal)[0]("previous", plan.step(0))
 
     def shifted(n0: np.ndarray, rows: int, tokens: int) -> np.ndarray:
         """``n0`` of the row ``rows`` before, ``tokens`` tokens before (0 outside)."""
@@ -201,9 +212,7 @@ def base_candidates(x_cal: np.ndarray, docs: dict[str, np.ndarray], plan: Any,
     def magnitude(values: np.ndarray, has: np.ndarray) -> np.ndarray:
         return np.where(has[:, None], np.minimum(np.abs(values), 2), 3)
 
-    def previous(n0: np.ndarray) -> np.ndarray:
-        return np.clip(shifted(n0, 0, 1), -1, 1) + 1
-
+    previous = _previous_base
     candidates = {
         "previous token": previous,
         "previous token, -2..2": lambda n0: np.clip(shifted(n0, 0, 1), -2, 2) + 2,
