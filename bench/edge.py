@@ -31,7 +31,9 @@ cannot win. Prints req/s, MB/s
 kvcdn/nginx ratios and the targets (hit throughput >= 1x nginx's, miss throughput
 >= 0.8x) at each worker count; writes JSON. Server CPU is the server's
 processes' (a kvcdn supervisor and its workers, nginx's master and workers) user
-and system time over the phase, per request. Installs nothing: without nginx (on PATH or
+and system time over the phase, per request, also given apart: user is the server's
+own code, system the kernel's work for it (sockets, files, and the loopback
+delivery to the client that its sends trigger). Installs nothing: without nginx (on PATH or
 /usr/sbin/nginx) it says how to install it and exits 2; --no-nginx runs the
 kvcdn edge alone.
 """
@@ -138,19 +140,22 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _cpu(pid: int | None = None) -> tuple[float, float, float] | None:
-    """(CPU seconds of ``pid`` and its children, host busy seconds, host seconds), via psutil."""
+def _cpu(pid: int | None = None) -> tuple[float, float, float, float] | None:
+    """(User and system CPU seconds of ``pid`` and its children, host busy seconds, host
+    seconds), via psutil."""
     try:
         import psutil
     except ImportError:
         return None
     procs = [psutil.Process(pid)] if pid else []
     procs += procs[0].children(recursive=True) if procs else []
-    own, host = 0.0, psutil.cpu_times()
+    user = system = 0.0
+    host = psutil.cpu_times()
     for p in procs:
         with contextlib.suppress(psutil.Error):  # a child that has just exited
-            own += sum(p.cpu_times()[:2])
-    return own, sum(host) - host.idle - getattr(host, "iowait", 0.0), sum(host)
+            times = p.cpu_times()
+            user, system = user + times.user, system + times.system
+    return user, system, sum(host) - host.idle - getattr(host, "iowait", 0.0), sum(host)
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -303,9 +308,10 @@ def _phase(
     lat = sorted(x for p in parts for x in p["lat"])
     elapsed = max(p["elapsed"] for p in parts)
     client = 100 * sum(p["cpu"] for p in parts) / elapsed
-    srv = host = other = None
+    srv = user = host = other = None
     if cpu0 is not None and cpu1 is not None:  # other: moto, the kernel's network work, others'
-        srv, host = cpu1[0] - cpu0[0], 100 * (cpu1[1] - cpu0[1]) / (cpu1[2] - cpu0[2])
+        user, srv = cpu1[0] - cpu0[0], cpu1[0] + cpu1[1] - cpu0[0] - cpu0[1]
+        host = 100 * (cpu1[2] - cpu0[2]) / (cpu1[3] - cpu0[3])
         other = host * (os.cpu_count() or 1) - 100 * srv / elapsed - client
     return {
         "requests": len(lat),
@@ -316,6 +322,10 @@ def _phase(
         "p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3,
         "max_ms": lat[-1] * 1e3,
         "server_cpu_ms_per_req": None if srv is None else srv / len(lat) * 1e3,
+        # the server's own code (user) and the kernel's work on its behalf (system):
+        # sending, receiving, files, and the loopback delivery its sends trigger
+        "server_user_ms_per_req": None if user is None else user / len(lat) * 1e3,
+        "server_system_ms_per_req": None if user is None else (srv - user) / len(lat) * 1e3,
         "server_cpu_pct": None if srv is None else 100 * srv / elapsed,
         "client_cpu_pct": client,
         "other_cpu_pct": other,
@@ -427,13 +437,14 @@ def _report(results: dict[str, Any], args: Any, notes: list[str]) -> dict[str, A
 
     console = Console(width=max(110, shutil.get_terminal_size().columns))
     table = Table(title=f"edge caches: {args.size / 2**20:g} MiB objects, {args.clients} clients")
-    cols = "server,phase,req/s,MB/s,p50 ms,p99 ms,srv CPU ms/req,srv CPU %,client CPU %,other CPU %"
+    cols = ("server,phase,req/s,MB/s,p50 ms,p99 ms,srv CPU ms/req,of it user,of it system,"
+            "srv CPU %,client CPU %,other CPU %")
     for col in cols.split(","):
         table.add_column(col, justify="left" if col in ("server", "phase") else "right")
-    fields = "req_s mb_s p50_ms p99_ms server_cpu_ms_per_req server_cpu_pct client_cpu_pct"
-    fields += " other_cpu_pct"
+    fields = "req_s mb_s p50_ms p99_ms server_cpu_ms_per_req server_user_ms_per_req"
+    fields += " server_system_ms_per_req server_cpu_pct client_cpu_pct other_cpu_pct"
     for phase, (name, res) in ((p, item) for p in ("hit", "miss") for item in results.items()):
-        values = zip([res[phase][f] for f in fields.split()], "00112000", strict=True)
+        values = zip([res[phase][f] for f in fields.split()], "0011222000", strict=True)
         table.add_row(name, phase, *("-" if v is None else f"{v:.{d}f}" for v, d in values))
     console.print(table)
     out: dict[str, Any] = {"ratios_kvcdn_over_nginx": {}, "targets": {}, "notes": notes}
@@ -442,13 +453,14 @@ def _report(results: dict[str, Any], args: Any, notes: list[str]) -> dict[str, A
         notes.append("nginx was skipped (--no-nginx): no comparison, no targets.")
         pairs = []
     ratios = Table(title="kvcdn-edge / nginx, the same number of worker processes")
-    for col in ("workers", "phase", "req/s", "MB/s", "p50", "p99", "srv CPU/req"):
+    for col in ("workers", "phase", "req/s", "MB/s", "p50", "p99", "srv CPU/req", "user",
+                "system"):
         ratios.add_column(col, justify="left" if col in ("workers", "phase") else "right")
     for edge_name, nginx_name, w in pairs:
         by_phase = out["ratios_kvcdn_over_nginx"][f"x{w}"] = {}
         for phase in ("hit", "miss"):
             k, n = results[edge_name][phase], results[nginx_name][phase]
-            metrics = [*fields.split()[:4], "server_cpu_ms_per_req"]
+            metrics = fields.split()[:7]
             r = by_phase[phase] = {m: k[m] / n[m] if k[m] and n[m] else None for m in metrics}
             ratios.add_row(str(w), phase, *("-" if v is None else f"{v:.2f}x" for v in r.values()))
             r["req_s_by_round"] = [
@@ -531,7 +543,7 @@ def main() -> int:
         "on the same CPUs as the server and the origin (moto).",
     ]
     before, _, after = _cpu(), time.sleep(1.0), _cpu()
-    idle_busy = 100 * (after[1] - before[1]) / (after[2] - before[2]) if before and after else None
+    idle_busy = 100 * (after[2] - before[2]) / (after[3] - before[3]) if before and after else None
     if idle_busy and idle_busy > 15:
         notes.append(f"other processes kept the CPUs {idle_busy:.0f}% busy before the run.")
         print(f"WARNING: {notes[-1]} Timings will be noisy.", file=sys.stderr)
