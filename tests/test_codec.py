@@ -226,6 +226,21 @@ def test_decode_writes_into_a_slice_of_a_larger_tensor(profile, real_kv):
     wide = torch.zeros(30, 2, 5, 256, 64)
     decode_chunk(data, profile=profile, out=wide[:, :, 1:4])
     assert torch.equal(wide[:, :, 1:4], alone) and not wide[:, :, 0].any()
+    # bfloat16: cast by kvcdn's kernel, bit for bit as torch casts (a slice of tokens),
+    # or by torch (some heads of a wider tensor: not one array)
+    for start in (0, 256):
+        data = encode_chunk(
+            lv, real_kv[:, :, :, start : start + 256], HASH, profile=profile, start=start
+        )
+        _, alone = decode_chunk(data, profile=profile)
+        expected = alone.to(torch.bfloat16).view(torch.int16)
+        brain = torch.zeros(30, 2, 3, 512, 64, dtype=torch.bfloat16)
+        decode_chunk(data, profile=profile, out=brain[:, :, :, start : start + 256])
+        assert torch.equal(brain[:, :, :, start : start + 256].view(torch.int16), expected)
+        assert not brain[:, :, :, 256 - start : 512 - start].any()
+        heads = torch.zeros(30, 2, 5, 256, 64, dtype=torch.bfloat16)
+        decode_chunk(data, profile=profile, out=heads[:, :, 1:4])
+        assert torch.equal(heads[:, :, 1:4].view(torch.int16), expected)
 
 
 # ---- hostile containers and profiles ------------------------------------------------------

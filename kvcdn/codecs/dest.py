@@ -64,7 +64,32 @@ class TensorDest(ChunkDest):
             raise FormatError(f"{name} has shape {list(shape)}, not {list(self.tensor.shape)}")
 
     def write(self, kv: torch.Tensor) -> None:
+        import torch
+
+        bits = self._bf16_bits()
+        if bits is not None and kv.dtype == torch.float32 and kv.device.type == "cpu":
+            try:
+                values = kv.view(-1, *kv.shape[3:]).numpy()
+            except RuntimeError:  # not viewable as one array: copied once, by numpy
+                values = np.ascontiguousarray(kv.numpy()).reshape(-1, *kv.shape[3:])
+            from kvcdn.kernels.cast import write_bf16
+
+            write_bf16(values, bits)  # no torch operation: see the kernel's module
+            return
         self.tensor.copy_(kv)
+
+    def _bf16_bits(self) -> np.ndarray | None:
+        """A CPU bfloat16 tensor's memory as uint16 ``[L * 2 * H, tokens, dim]``, or None
+        (another dtype or device, or not viewable as one array)."""
+        import torch
+
+        t = self.tensor
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            return None
+        try:
+            return t.view(torch.int16).view(-1, self.tokens, self.dim).numpy().view(np.uint16)
+        except RuntimeError:
+            return None
 
     def write_fp16(self, bits: np.ndarray) -> None:
         import torch

@@ -220,10 +220,11 @@ def _decode_body(
         rans_triton.decode(*coded.on_device(body.device), body)
     elif body.dtype == torch.float32 and body.device.type == "cpu":
         rans_numba.decode(*coded.arrays(), body.numpy())
-    else:  # another dtype, or CUDA without Triton
+    else:  # another dtype, or CUDA without Triton: decoded here, then cast into it
         tmp = np.empty((groups, tokens - s, dim), dtype=np.float32)
         rans_numba.decode(*coded.arrays(), tmp)
-        body.copy_(torch.from_numpy(tmp))
+        window = dest.window(s, tokens)
+        window.write(torch.from_numpy(tmp).view(window.tensor.shape))
 
 
 def _check_level(header: ChunkHeader, name: str, profile: CodecProfile | None) -> str:
