@@ -4,8 +4,8 @@ kernels on :mod:`.parallel`'s threads).
 A decoder's float32 output is cast here rather than by PyTorch: each torch operation
 on the CPU wakes PyTorch's OpenMP team, whose threads then spin for a while and take
 the cores from the decode kernels' threads of the next chunk. Decoding a document
-chunk by chunk into a bfloat16 tensor that way took twice as long as into a float32
-one, though the cast itself is a millisecond a chunk. Values are rounded as PyTorch
+chunk by chunk into a bfloat16 tensor that way took 1.5-2.1x as long as into a
+float32 one, though the cast itself is about a millisecond a chunk. Values are rounded as PyTorch
 rounds them (to nearest even, :func:`.paged_cpu.bf16_bits`), bit for bit, but for
 the payload of a NaN.
 """
