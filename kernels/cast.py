@@ -19,7 +19,10 @@ from . import parallel
 from .paged_cpu import bf16_bits
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+# One signature for every layout (a whole tensor, a window of a larger one), compiled
+# or loaded from numba's cache when this module is imported: what a warm-up does.
+@njit("void(int64, int64, float32[:, :, :], uint16[:, :, :])", cache=True, nogil=True,
+      boundscheck=False)  # fmt: skip
 def _write_bf16(g0, g1, values, bits):  # pragma: no cover - jitted
     for g in range(g0, g1):
         for t in range(values.shape[1]):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcdn.codec import decode_chunk, encode_chunk, ladder_level, parse_levels
+from kvcdn.codec import decode_chunk, encode_chunk, ladder_level, parse_levels, warm_up
 from kvcdn.codec_profile import LADDER, parse_profile
 from kvcdn.container import ChunkHeader, pack, unpack
 from kvcdn.errors import FingerprintMismatch, FormatError, InputError, KvcdnError
@@ -228,6 +228,7 @@ def test_decode_writes_into_a_slice_of_a_larger_tensor(profile, real_kv):
     assert torch.equal(wide[:, :, 1:4], alone) and not wide[:, :, 0].any()
     # bfloat16: cast by kvcdn's kernel, bit for bit as torch casts (a slice of tokens),
     # or by torch (some heads of a wider tensor: not one array)
+    warm_up("cpu", torch.bfloat16)  # what a client of a bfloat16 model does first
     for start in (0, 256):
         data = encode_chunk(
             lv, real_kv[:, :, :, start : start + 256], HASH, profile=profile, start=start
