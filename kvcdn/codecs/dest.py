@@ -95,7 +95,9 @@ class TensorDest(ChunkDest):
         import torch
 
         if (values := self.float32_array()) is not None:  # no torch operation: see there
-            values[...] = bits.view(np.float16).reshape(values.shape)
+            from kvcdn.kernels.cast import widen_half
+
+            widen_half(bits.reshape(values.shape), values)
             return
         # a read-only buffer is copied once; torch.from_numpy refuses to share it
         values = torch.from_numpy(bits if bits.flags.writeable else bits.copy())
