@@ -35,11 +35,7 @@ def _write_bf16(g0, g1, values, bits):  # pragma: no cover - jitted
 def write_bf16(values: np.ndarray, bits: np.ndarray) -> None:
     """``values`` (float32 ``[N, T, D]``, any strides) rounded to bfloat16 into ``bits``
     (uint16, the same shape, any strides: a bfloat16 tensor's memory)."""
-    if values.dtype != np.float32 or bits.dtype != np.uint16 or values.ndim != 3:
-        raise ValueError(f"float32 [N, T, D] into uint16, not {values.dtype} {values.shape} "
-                         f"into {bits.dtype}")  # fmt: skip
-    if values.shape != bits.shape:
-        raise ValueError(f"shapes differ: {values.shape} into {bits.shape}")
+    _check(values, np.float32, bits, np.uint16)
     parallel.run(_write_bf16, values.shape[0], values, bits)
 
 
@@ -56,9 +52,13 @@ def _widen_half(g0, g1, bits, values):  # pragma: no cover - jitted
 def widen_half(bits: np.ndarray, values: np.ndarray) -> None:
     """Float16 values given as their bits (uint16 ``[N, T, D]``, any strides, possibly
     read-only) into ``values`` (float32, the same shape, any strides), exactly."""
-    if bits.dtype != np.uint16 or values.dtype != np.float32 or bits.ndim != 3:
-        raise ValueError(f"uint16 [N, T, D] into float32, not {bits.dtype} {bits.shape} "
-                         f"into {values.dtype}")  # fmt: skip
-    if values.shape != bits.shape:
-        raise ValueError(f"shapes differ: {bits.shape} into {values.shape}")
+    _check(bits, np.uint16, values, np.float32)
     parallel.run(_widen_half, bits.shape[0], bits, values)
+
+
+def _check(src: np.ndarray, src_dtype: type, dst: np.ndarray, dst_dtype: type) -> None:
+    if src.dtype != src_dtype or dst.dtype != dst_dtype or src.ndim != 3:
+        raise ValueError(f"{np.dtype(src_dtype)} [N, T, D] into {np.dtype(dst_dtype)}, not "
+                         f"{src.dtype} {src.shape} into {dst.dtype}")  # fmt: skip
+    if src.shape != dst.shape:
+        raise ValueError(f"shapes differ: {src.shape} into {dst.shape}")
