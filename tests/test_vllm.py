@@ -55,6 +55,21 @@ VLLM_LINE = re.compile(r"^\(\S+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \
 KL_BOUND = 0.05
 
 
+def _engine_dtype() -> str:
+    """The dtype the module's engines run in: vLLM's own choice on CPU, bfloat16, where
+    oneDNN computes in bfloat16 (it needs AVX-512); float32 elsewhere. On an AVX2-only
+    CPU (an AMD EPYC of this project's machines) torch's bfloat16 linear layers run
+    about 7x slower than float32's, and a 2,800-token prefill took about 50 s instead
+    of 3: the module's engines took 20 minutes there. The connector's float32 writes are
+    checked wherever the engine runs in float32 (tests/test_vllm_parallel.py always)."""
+    import torch
+
+    return "auto" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
+ENGINE_DTYPE = _engine_dtype()
+
+
 def _vllm_env() -> dict[str, str]:
     """A vLLM process's environment: the session's (its compile caches: conftest)."""
     env = os.environ.copy()
@@ -112,7 +127,8 @@ def _engine(tmp: Path, folder: str, extra: dict, **options):
     the driver's configuration (``tensor_parallel_size``) and of its environment."""
     env = _vllm_env()
     env.update(options.pop("env", {}))
-    config = {"folder": folder, "capture_dir": str(tmp), "extra": extra, **options}
+    config = {"folder": folder, "capture_dir": str(tmp), "extra": extra,
+              "dtype": ENGINE_DTYPE, **options}  # fmt: skip
     log = tmp / "driver.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(
@@ -509,6 +525,7 @@ def test_vllm_serve_through_edges_with_one_killed(model, moto_endpoint, tmp_path
              "--served-model-name", "kvcdn-model", "--host", "127.0.0.1", "--port", str(port),
              "--block-size", "256", "--enforce-eager", "--max-model-len", "8192",
              "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+             "--dtype", ENGINE_DTYPE,
              "--kv-transfer-config", json.dumps(transfer)],
             stdout=out, stderr=subprocess.STDOUT, env=_vllm_env(),
         )  # fmt: skip
@@ -695,8 +712,11 @@ def test_an_edge_that_never_answers_costs_one_budget_then_is_skipped(
     tenant's documents asynchronously (``auto``: its source is not local), where the
     engine's own store, a local folder, is loaded synchronously."""
     alone = engine.ask(sed_prompt, kvcdn_load=False, beside=[other_prompt])
+    # a budget of its own, shorter than the edge's 30 s read timeout: the budget vLLM's
+    # own prefill gets by default exceeds it on a slow CPU, and the store is then read
+    # in time, after the timeout (on an AVX2-only host in bfloat16: everything loaded)
     first = engine.ask(sed_prompt, kvcdn_quality="fp16", beside=[other_prompt],
-                       cache_salt=BEHIND_A_HANGING_EDGE)  # fmt: skip
+                       cache_salt=BEHIND_A_HANGING_EDGE, kvcdn_deadline_s=2.0)  # fmt: skip
     outcome = first["kv_transfer_params"]["kvcdn"]
     print(f"through a hanging edge: {first['seconds']:.2f} s, {alone['seconds']:.2f} s "
           f"without kvcdn; budget {outcome['deadline_s']:.2f} s, "
