@@ -373,7 +373,7 @@ def decode(
     whose stream did not end where it should (values were written).
 
     Sixteen groups at a time in vector registers (:mod:`.nested_simd`) where the host
-    has AVX-512 and the arrays allow, else (or with ``vector=False``) group by group;
+    has AVX-512 or AVX2 and the arrays allow, else (or with ``vector=False``) group by group;
     the two give the same values and errors."""
     from . import nested_simd  # it imports this module
 

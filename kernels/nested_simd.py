@@ -1,4 +1,4 @@
-"""The nested ladder's CPU decoder sixteen groups at a time (AVX-512, :mod:`.simd`).
+"""The nested ladder's CPU decoder sixteen groups at a time (AVX-512 or AVX2, :mod:`.simd`).
 
 The same streams, values and end checks as :func:`kvcdn.kernels.nested.decode`, bit
 for bit; the lanes of one vector are sixteen groups (layer, K/V, head), not the

@@ -1,4 +1,4 @@
-"""Sixteen 32-bit lanes as one numba value, for kernels that must gather (AVX-512).
+"""Sixteen 32-bit lanes as one numba value, for kernels that must gather (AVX-512 or AVX2).
 
 numba has no vector types, and LLVM will not vectorise a table-driven decoder by
 itself: for this host's CPU (which LLVM names ``rocketlake``) it emits no gather
@@ -12,7 +12,12 @@ numba type whose LLVM value is ``<16 x i32>``, the arithmetic operators work on 
 :func:`gather`, :func:`load`, :func:`store`, :func:`select`, :func:`put_values` are
 the memory and blend operations, each one instruction or a few.
 
-Only where :data:`AVAILABLE`: the x86 gather intrinsic compiles nowhere else, so
+On a host with AVX2 but not AVX-512 (AMD's Zen 2 and 3, Intel's client cores) the
+sixteen lanes are two 256-bit registers and a gather is two eight-lane ``vpgatherdd``:
+LLVM splits every other operation itself. The kernels' results do not depend on
+which: the same operations on the same lanes.
+
+Only where :data:`AVAILABLE`: the x86 gather intrinsics compile nowhere else, so
 callers keep a scalar kernel for other hosts (and for a numba told to compile for
 another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
 
@@ -43,16 +48,19 @@ _VM = ir.VectorType(ir.IntType(1), W)
 _ALL = ir.Constant(_VM, [1] * W)
 
 
-def _available() -> bool:
+def _host_gather() -> str | None:
+    """The widest gather this host has: ``"avx512f"``, ``"avx2"`` or None."""
     if config.CPU_NAME or config.CPU_FEATURES:  # compiling for another CPU
-        return False
+        return None
     try:
-        return bool(_llvm.get_host_cpu_features().get("avx512f"))
+        features = _llvm.get_host_cpu_features()
     except RuntimeError:  # features unknown on this host
-        return False
+        return None
+    return next((name for name in ("avx512f", "avx2") if features.get(name)), None)
 
 
-AVAILABLE = _available()
+GATHER = _host_gather()
+AVAILABLE = GATHER is not None
 
 
 class _Lanes(types.Type):
@@ -184,10 +192,24 @@ def store(typingctx, arr, at, value):
 
 
 def _gather_dwords(builder, base, index, scale):
-    """The 32-bit words at ``base + index * scale`` bytes (``vpgatherdd``)."""
-    fnty = ir.FunctionType(_VT, [_VT, _I8P, _VT, _VM, _I32])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.mask.gather.dpi.512")
-    return builder.call(fn, [ir.Constant(_VT, ir.Undefined), base, index, _ALL, _I32(scale)])
+    """The 32-bit words at ``base + index * scale`` bytes (``vpgatherdd``: one of sixteen
+    lanes, or two of eight)."""
+    if GATHER == "avx512f":
+        fnty = ir.FunctionType(_VT, [_VT, _I8P, _VT, _VM, _I32])
+        name = "llvm.x86.avx512.mask.gather.dpi.512"
+        fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+        return builder.call(fn, [ir.Constant(_VT, ir.Undefined), base, index, _ALL, _I32(scale)])
+    half = ir.VectorType(_I32, W // 2)
+    fnty = ir.FunctionType(half, [half, _I8P, half, half, ir.IntType(8)])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.gather.d.d.256")
+    every = ir.Constant(half, [-1] * (W // 2))  # a lane is gathered where its sign bit is set
+    halves = []
+    for first in (0, W // 2):
+        lanes = ir.Constant(half, list(range(first, first + W // 2)))
+        part = builder.shuffle_vector(index, ir.Constant(_VT, ir.Undefined), lanes)
+        args = [ir.Constant(half, ir.Undefined), base, part, every, ir.IntType(8)(scale)]
+        halves.append(builder.call(fn, args))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VT, list(range(W))))
 
 
 @intrinsic

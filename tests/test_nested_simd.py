@@ -11,7 +11,7 @@ import pytest
 from kvcdn.kernels import nested, nested_simd, simd
 from kvcdn.kernels.rans import RansError
 
-pytestmark = pytest.mark.skipif(not simd.AVAILABLE, reason="the host has no AVX-512")
+pytestmark = pytest.mark.skipif(not simd.AVAILABLE, reason="the host has no AVX-512 or AVX2")
 
 TOKENS = 24
 ARRAYS = ("words", "wbeg", "wend", "states", "lut", "cum", "mean", "fine", "depth", "lo",
