@@ -123,6 +123,15 @@ def sign_key_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., A
     help="With --engine vllm: stages the model's layers are split over.",
 )
 @click.option(
+    "--dtype",
+    "engine_dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default=None,
+    help="With --engine vllm: what vLLM computes the prefill in. [default: auto, the "
+    "model's own dtype (bfloat16 on a CPU), but float32 on a CPU without fast bfloat16 "
+    "(no AVX-512), where bfloat16 runs several times slower]",
+)
+@click.option(
     "--ray",
     "ray_address",
     is_flag=False,
@@ -169,6 +178,7 @@ def publish(
     device_map: str | None,
     tensor_parallel: int,
     pipeline_parallel: int,
+    engine_dtype: str | None,
     ray_address: str | None,
     actors: int | None,
     threads: int,
@@ -198,7 +208,8 @@ def publish(
     latest pointer expires after --pointer-valid-for (7 days): renew it with
     `kvcdn refresh` (docs/trust.md).
 
-    With --engine vllm the prefill runs in vLLM (bf16 on CPU) and the same
+    With --engine vllm the prefill runs in vLLM (bf16 on a CPU that has
+    AVX-512, float32 on one that does not; --dtype chooses) and the same
     manifest, ladder and objects are published; see docs/vllm.md.
 
     PATH is a file, a folder (every file under it) or a glob pattern. With
@@ -246,6 +257,9 @@ def publish(
     if (tensor_parallel > 1 or pipeline_parallel > 1) and engine != "vllm":
         raise click.UsageError("--tensor-parallel-size and --pipeline-parallel-size split a "
                                "vLLM engine: add --engine vllm")  # fmt: skip
+    if engine_dtype is not None and engine != "vllm":
+        raise click.UsageError("--dtype sets what a vLLM engine computes in: add --engine vllm "
+                               "(transformers publishes in float32 on a CPU)")  # fmt: skip
     if ray_address is not None and engine == "vllm":
         raise click.UsageError("--ray publishes with transformers actors; drop --engine vllm")
     check_level_names(levels)  # unknown level names fail here, before the model loads
@@ -275,7 +289,8 @@ def publish(
             loaded = load_model(model, device, device_map=device_map)
         prefill = None
         if engine == "vllm":
-            prefill = _vllm_prefill(model, stack, tensor_parallel, pipeline_parallel)
+            prefill = _vllm_prefill(model, stack, tensor_parallel, pipeline_parallel,
+                                    engine_dtype or "auto")  # fmt: skip
         results = []
         for path, (text, doc_name) in zip(paths, named, strict=True):
             with _progress(not as_json) as progress:
@@ -365,9 +380,10 @@ def _publish_on_ray(documents: list, settings: Any, address: str | None, actors:
 
 
 def _vllm_prefill(model: str | None, stack: ExitStack, tensor_parallel: int = 1,
-                  pipeline_parallel: int = 1) -> Any:  # fmt: skip
+                  pipeline_parallel: int = 1, dtype: str = "auto") -> Any:  # fmt: skip
     """A vLLM engine for ``model`` whose connector captures each prefill's KV, its
-    workers split ``tensor_parallel`` x ``pipeline_parallel`` ways."""
+    workers split ``tensor_parallel`` x ``pipeline_parallel`` ways, computing in
+    ``dtype``."""
     import importlib.util
     import os
     import tempfile
@@ -400,11 +416,14 @@ def _vllm_prefill(model: str | None, stack: ExitStack, tensor_parallel: int = 1,
         share = len(cores) // workers
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
             ",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(workers)))
-    from kvcdn.sdk.vllm import VllmPrefill
+    from kvcdn.sdk.vllm import VllmPrefill, engine_dtype
 
     capture_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcdn-capture-"))
-    with err.status("starting vLLM…"):
-        return VllmPrefill.start(model, capture_dir, **engine)
+    resolved = engine_dtype(dtype)
+    if dtype == "auto" and resolved == "float32":
+        err.print("vLLM computes in float32: this CPU has no fast bfloat16 (AVX-512)")
+    with err.status(f"starting vLLM ({resolved})…"):
+        return VllmPrefill.start(model, capture_dir, dtype=resolved, **engine)
 
 
 def _has_cuda() -> bool:

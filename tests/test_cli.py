@@ -314,3 +314,24 @@ def test_publish_with_a_device_map_publishes_what_one_device_does(random_llama, 
     out = runner.invoke(cli, ["publish", str(doc), "--device-map", "auto", "--device", "cpu",
                               "--store", str(tmp_path / "x")])  # fmt: skip
     assert out.exit_code == 2 and "--device-map places the model" in out.output
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--dtype", "float32"], "--dtype sets what a vLLM engine computes in: add --engine vllm"),
+        (["--tensor-parallel-size", "2"], "split a vLLM engine: add --engine vllm"),
+        (["--engine", "vllm", "--dtype", "fp8"], "'fp8' is not one of"),
+        (["--engine", "vllm", "--ray"], "drop --engine vllm"),
+    ],
+)
+def test_engine_options_without_their_engine_are_named(options, message, tmp_path):
+    """Options of a vLLM publish given without ``--engine vllm`` (or with what it cannot
+    take) are named before the model loads or anything is written."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("a document")
+    store = tmp_path / "store"
+    out = CliRunner().invoke(cli, ["publish", str(doc), "--store", str(store), *options])
+    assert out.exit_code == 2, out.output
+    assert message in " ".join(out.output.split()), out.output
+    assert "Traceback" not in out.output and not store.exists()

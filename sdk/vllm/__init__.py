@@ -67,7 +67,7 @@ from .config import (
 )
 from .connector import KvcdnConnector
 from .metadata import unfilled_blocks
-from .producer import VllmPrefill, producer_config
+from .producer import VllmPrefill, engine_dtype, producer_config
 
 __all__ = [
     "CAPTURE_PARAM",
@@ -79,6 +79,7 @@ __all__ = [
     "ConnectorConfig",
     "KvcdnConnector",
     "VllmPrefill",
+    "engine_dtype",
     "producer_config",
     "unfilled_blocks",
 ]
