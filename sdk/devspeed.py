@@ -8,7 +8,8 @@ chunk attends to, linearly in the attention), and each level's
 encode-then-decode of one 256-token chunk. Results are cached per model
 fingerprint, device, level id and software versions in
 ``~/.cache/kvcdn/device-speed.json`` (``KVCDN_SPEED_CACHE`` overrides), so a
-device pays the measurement (a few seconds) on its first adaptive load only.
+device pays the measurement (a few seconds; 8 s on a 2-CPU AMD EPYC) on its first
+adaptive load only: a load at one level weighs nothing and measures nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class DeviceSpeed:
     s_per_token: float
     s_per_token_context: float
     decode_s_per_token: dict[str, float] = field(default_factory=dict)
+    #: False for :func:`assumed_speed`'s figures: no prediction is made from them
+    measured: bool = True
 
     def decode_seconds(self, level_id: str, tokens: int) -> float:
         return self.decode_s_per_token[level_id] * tokens
@@ -76,7 +79,17 @@ def assumed_speed(manifest: Manifest) -> DeviceSpeed:
             for name, lv in manifest.levels.items()
             if name != TEXT_LEVEL
         },
+        measured=False,
     )
+
+
+def _filled_in(known: DeviceSpeed | None, manifest: Manifest) -> DeviceSpeed:
+    """What is ``known`` of a device, and :func:`assumed_speed`'s figures for the rest."""
+    speed = assumed_speed(manifest)
+    if known is not None:
+        speed.s_per_token, speed.s_per_token_context = known.s_per_token, known.s_per_token_context
+        speed.decode_s_per_token.update(known.decode_s_per_token)
+    return speed
 
 
 def cache_path() -> Path:
@@ -93,10 +106,14 @@ class DeviceSpeeds:
         self._warmed: set[str] = set()  # devices whose codec kernels are loaded
 
     def get(
-        self, loaded: LoadedModel, manifest: Manifest, profile: CodecProfile | None
-    ) -> tuple[DeviceSpeed, float]:
+        self, loaded: LoadedModel, manifest: Manifest, profile: CodecProfile | None,
+        *, measure: bool = True,
+    ) -> tuple[DeviceSpeed, float]:  # fmt: skip
         """This device's speed for ``loaded`` and every level of ``manifest``, and the
-        seconds spent measuring it now (0.0 when it was known)."""
+        seconds spent measuring it now (0.0 when it was known). Without ``measure``
+        (a load at one level, which weighs nothing against anything), what is not
+        known is not measured either: :func:`assumed_speed`'s figures (``measured``
+        False) in place of the missing ones."""
         import torch
 
         key = "|".join(
@@ -117,13 +134,18 @@ class DeviceSpeeds:
         measured_s = 0.0
         with self._lock:
             speed = self._memo.get(key) or _read_cache(key)
-            if speed is None or set(levels) - set(speed.decode_s_per_token):
+            if speed is not None:
+                self._memo[key] = speed
+            missing = speed is None or bool(set(levels) - set(speed.decode_s_per_token))
+            if missing and not measure:
+                speed = _filled_in(speed, manifest)
+            elif missing:
                 t = time.perf_counter()
                 speed = _measure(loaded, levels, profile, speed)  # this also warms the kernels
                 _write_cache(key, speed)
+                self._memo[key] = speed
                 self._warmed.add(loaded.device)
                 measured_s = time.perf_counter() - t
-            self._memo[key] = speed
             warm = profile is not None and loaded.device not in self._warmed
             if warm:
                 self._warmed.add(loaded.device)

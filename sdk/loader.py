@@ -353,7 +353,9 @@ def load_into(
     profile, failed = _profile_or_fewer_levels(
         manifest, levels, within(reader, ends_at), profiles, loaded.fingerprint
     )
-    speed, measured_s = speeds.get(loaded, manifest, profile)
+    # what the device costs steers an adaptive load only: a load at one level does
+    # not wait seconds to measure it (it is measured on the first adaptive load)
+    speed, measured_s = speeds.get(loaded, manifest, profile, measure=quality == AUTO)
     if measured_s:  # once per device and model, like loading the model: not on the clock
         started += measured_s
         ends_at = None if ends_at is None else ends_at + measured_s
@@ -380,7 +382,7 @@ def load_into(
     result = pipeline.run()
     seconds["load"] = time.perf_counter() - t
     head_s = t - started  # before the pipeline started
-    predicted = head_s + result.predicted_s + reserve_s
+    predicted = head_s + result.predicted_s + reserve_s if speed.measured else None
     plan = _report(target, manifest, reader, quality, deadline_s, started, seconds, result,
                    predicted, rejected_since)  # fmt: skip
     refused = sum(1 for c in result.chunks if c.failed)

@@ -325,3 +325,22 @@ def test_a_deadline_does_not_count_loading_the_model(model, short_text, tmp_path
     with sdk.Client(store=str(store), warm=False) as client:  # its own models: loads one
         ctx = client.load_context(str(doc), deadline_s=0.3)
     assert ctx.manifest.name == "doc" and ctx.token_ids
+
+
+def test_only_an_adaptive_load_measures_the_device(model, short_text, tmp_path, monkeypatch):
+    """A load at one level weighs nothing against anything: on a device never measured
+    it does not spend seconds measuring it (nor predicts a time from guesses). The first
+    adaptive load measures it, and later loads at one level predict from that."""
+    store = tmp_path / "store"
+    publish(text=short_text, name="doc", model=model, store=str(store), levels="fp16,int8")
+    speeds = tmp_path / "device-speed.json"
+    monkeypatch.setenv("KVCDN_SPEED_CACHE", str(speeds))
+    with sdk.Client(store=str(store), warm=False) as client:
+        fixed = client.load_context("doc", model=model, quality="int8")
+        assert "measure_device" not in fixed.plan.seconds and not speeds.exists()
+        assert fixed.plan.predicted_ttft_s is None and fixed.plan.chunk_levels == ["int8"] * 4
+        adaptive = client.load_context("doc", model=model)
+        assert adaptive.plan.seconds["measure_device"] > 0 and speeds.exists()
+        again = client.load_context("doc", model=model, quality="int8")
+        assert "measure_device" not in again.plan.seconds
+        assert again.plan.predicted_ttft_s is not None
