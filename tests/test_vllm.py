@@ -469,6 +469,12 @@ def test_publish_picks_float32_on_a_cpu_without_fast_bfloat16():
         assert engine_dtype(given, cuda=False) == given
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         engine_dtype("fp8")
+    # the CLI offers the same names (it lists them itself: it does not import vLLM)
+    from kvcdn.cli.publish import publish as command
+    from kvcdn.sdk.vllm.producer import ENGINE_DTYPES
+
+    (option,) = (p for p in command.params if p.name == "engine_dtype")
+    assert tuple(option.type.choices) == ENGINE_DTYPES
 
 
 def _chat(base: str, text: str, question: str, **extra) -> tuple[list[str], float, int]:
