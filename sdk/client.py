@@ -412,9 +412,9 @@ class Client:
             return target, plan_
 
         first: list[tuple[TensorTarget, LoadPlan]] = []
-        if not self._caches.speeds.is_known(loaded):
-            # The first load measures the device (once per client and model); not
-            # beside the blend's own work, which would skew what it measures.
+        if quality == AUTO and not self._caches.speeds.is_known(loaded):
+            # The first adaptive load measures the device (once per client and model);
+            # not beside the blend's own work, which would skew what it measures.
             first.append(load_one(manifests[0]))
         loader = ThreadPoolExecutor(1, thread_name_prefix="kvcdn-blend-load")
         future = loader.submit(lambda: [*first, *(load_one(m) for m in manifests[len(first) :])])

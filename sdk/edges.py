@@ -68,6 +68,10 @@ log = logging.getLogger(__name__)
 #: each failure in a row up to MAX_DOWN_S; then one read probes it again.
 DOWN_S = 5.0
 MAX_DOWN_S = 60.0
+#: A probe of an edge whose circuit is half-open waits at most this long for each
+#: answer (its headers, each piece of its body): an edge that still does not answer
+#: costs a load this, not the load's whole budget, before the next source is read.
+PROBE_READ_TIMEOUT_S = 2.0
 BAD_BYTES_DOWN_S = 60.0  # after it served bad bytes, it is skipped for this long
 PIECE = 64 << 10  # bodies are read in pieces of this size, reporting progress
 MIN_BODY_BPS = 32 << 10  # a body arriving slower than this on average is abandoned
@@ -305,7 +309,7 @@ class EdgeStore(ReaderBase):
             for edge in tried:
                 if cancel is not None and cancel.is_set():
                     raise FetchCancelled
-                timeout = self._timeout(cancel)
+                timeout = self._timeout(cancel, probe=edge in probes)
                 if timeout is None:
                     raise DeadlineExceeded(f"{key}: no time left to read it from {edge}")
                 try:
@@ -407,17 +411,17 @@ class EdgeStore(ReaderBase):
             with self._lock:
                 self._probing.difference_update(edges)
 
-    def _timeout(self, cancel: Cancel | None) -> urllib3.Timeout | None:
-        """This request's timeouts: the reader's, cut to the time its read has left
-        (None: no time left)."""
+    def _timeout(self, cancel: Cancel | None, probe: bool = False) -> urllib3.Timeout | None:
+        """This request's timeouts: the reader's (a probe's read at most
+        :data:`PROBE_READ_TIMEOUT_S`), cut to the time its read has left (None: no time
+        left)."""
+        read = min(self.read_timeout_s, PROBE_READ_TIMEOUT_S) if probe else self.read_timeout_s
         left = cancel.time_left() if cancel is not None else None
         if left is None:
-            return urllib3.Timeout(connect=self.connect_timeout_s, read=self.read_timeout_s)
+            return urllib3.Timeout(connect=self.connect_timeout_s, read=read)
         if left <= 0:
             return None
-        return urllib3.Timeout(
-            connect=min(self.connect_timeout_s, left), read=min(self.read_timeout_s, left)
-        )
+        return urllib3.Timeout(connect=min(self.connect_timeout_s, left), read=min(read, left))
 
     def _read_body(
         self,

@@ -260,6 +260,32 @@ def test_an_edge_that_misses_a_reads_deadline_is_skipped_too(signed, hanging):
     assert got.source == "origin" and time.perf_counter() - started < 0.5
 
 
+def test_a_probe_of_a_hanging_edge_costs_seconds_not_the_reads_budget(signed, hanging):
+    """A half-open edge's probe waits at most ``PROBE_READ_TIMEOUT_S`` for an answer,
+    then the same read goes to the store: an edge that still hangs costs a load two
+    seconds, not its whole budget (a vLLM request's: its prefill's predicted time)."""
+    import kvcdn.sdk.edges as edges_module
+    from kvcdn.sdk.bounded import BoundedReader
+    from kvcdn.store import Cancel, open_store
+
+    root = signed[0]
+    key = next(p for p in sorted((root / "objects").rglob("*.kvc"))).relative_to(root).as_posix()
+    edge_reader = EdgeStore([hanging.url], open_store(str(root)))  # a 30 s read timeout
+    reader = BoundedReader(edge_reader)
+    with pytest.raises(DeadlineExceeded):  # the first read waits out its budget: down
+        reader.fetch(key, cancel=Cancel(deadline=time.monotonic() + 1.0))
+    time.sleep(0.3)
+    with edge_reader._lock:  # its time down is over: the next read probes it
+        edge_reader._down[hanging.url] = 0.0
+    started = time.perf_counter()
+    got = reader.fetch(key, cancel=Cancel(deadline=time.monotonic() + 20.0))
+    took = time.perf_counter() - started
+    print(f"a read that probed the hanging edge: {took:.2f} s")
+    assert got.source == "origin"
+    assert edges_module.PROBE_READ_TIMEOUT_S <= took < edges_module.PROBE_READ_TIMEOUT_S + 1.5
+    assert edge_reader._failures[hanging.url] == 2  # down again, longer
+
+
 def test_an_edge_that_answers_its_probe_with_another_status_is_probed_again(signed, tmp_path):
     """A probe answered 429 (or any status but a 200, 404, 401/403 or 5xx) used to keep
     the probe flag, and the edge was never tried again."""

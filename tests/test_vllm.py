@@ -757,9 +757,11 @@ def test_an_edge_that_never_answers_costs_one_budget_then_is_skipped(
     assert first["seconds"] <= alone["seconds"] + outcome["deadline_s"] + 1.0
     _answers_as_vllm(first, alone)
     assert first["beside"][0]["token_ids"] == alone["beside"][0]["token_ids"]
-    # its circuit is open now: the next loads read the store, whole, at once, and answer
-    # as vLLM's own prefill of the prompt alone (vLLM's bf16 answer depends on the batch
-    # a prompt shares: alone is the comparison for a request alone)
+    # its circuit is open now: the next loads read the store, whole, and answer as vLLM's
+    # own prefill of the prompt alone (vLLM's bf16 answer depends on the batch a prompt
+    # shares: alone is the comparison for a request alone). Where vLLM's prefills outlast
+    # the circuit's 5 s (a slow CPU), the next load probes the edge first, for at most
+    # 2 s, not the load's budget
     own = engine.ask(sed_prompt, kvcdn_load=False)
     for _ in range(2):  # and stays open
         out = engine.ask(sed_prompt, kvcdn_quality="fp16", cache_salt=BEHIND_A_HANGING_EDGE)

@@ -33,7 +33,7 @@ def engine_dtype(dtype: str = "auto", *, cuda: bool | None = None) -> str:
     """The dtype to start a vLLM engine with. ``dtype`` as given, but ``"auto"`` is
     vLLM's own choice (the model's dtype; bfloat16 on a CPU) on a GPU and on a CPU
     that computes bfloat16 at speed, and float32 on a CPU that does not, where vLLM's
-    bfloat16 prefill runs several times slower than float32's (`kvcdn publish` of 981
+    bfloat16 prefill runs several times slower than float32's (``kvcdn publish`` of 981
     tokens with the embedded model on an AMD EPYC: 13.4 s of prefill against 4.2 s).
     ``cuda``: whether the engine runs on a GPU (default: whether torch sees one)."""
     if dtype not in ENGINE_DTYPES:
