@@ -206,8 +206,10 @@ def test_the_store_serves_when_the_edge_in_front_of_it_hangs(signed, model, hang
     started = time.perf_counter()
     ctx = sdk.load_context("victim", model=model, edges=[hanging.url], store=str(root),
                            deadline_s=4)  # fmt: skip
-    elapsed = time.perf_counter() - started
-    assert elapsed < 4 + 3.0
+    # less measuring the device, if this is the session's first adaptive load: a one-off
+    # that is off the load's clock, as loading the model is
+    elapsed = time.perf_counter() - started - ctx.plan.seconds.get("measure_device", 0.0)
+    assert elapsed < 4 + 3.0, ctx.plan.seconds
     assert set(ctx.plan.chunk_sources) <= {"origin", "text"}
     assert ctx.generate("What is sed?", max_new_tokens=1).token_ids == reference.generate(
         "What is sed?", max_new_tokens=1

@@ -754,7 +754,9 @@ def test_an_edge_that_never_answers_costs_one_budget_then_is_skipped(
           f"{outcome['loaded_tokens']} of {outcome['claimed_tokens']} tokens loaded")  # fmt: skip
     # before: 30 s per object before the store was tried (61 s, then 31 s)
     assert outcome["mode"] == "async" and outcome["loaded_tokens"] < outcome["claimed_tokens"]
-    assert first["seconds"] <= alone["seconds"] + outcome["deadline_s"] + 1.0
+    # two prefills of the same prompt differ by a few percent on a slow CPU (once 21.5 s
+    # against 18.3 s alone plus the 2 s budget): that much slack, far below the edge's 30 s
+    assert first["seconds"] <= 1.1 * alone["seconds"] + outcome["deadline_s"] + 1.0
     _answers_as_vllm(first, alone)
     assert first["beside"][0]["token_ids"] == alone["beside"][0]["token_ids"]
     # its circuit is open now: the next loads read the store, whole, and answer as vLLM's
