@@ -1,7 +1,8 @@
 """Nested ladder against independent levels: sizes, quality and decode speed, one run.
 
     python bench/progressive.py [--docs FILE ...] [--context-tokens 2048] [--design]
-                                [--base-bits 1.4] [--contexts] [--json OUT.json]
+                                [--base-bits 1.4] [--contexts] [--transforms]
+                                [--json OUT.json]
 
 On documents that are not calibration texts (bash(1) from character 60,000, curl(1),
 grep(1), and a seed text where it exists, as ``bench/codec.py``), every level of both
@@ -41,6 +42,13 @@ token's symbol as context and without (:mod:`codecbench.contexts`): tables built
 the calibration texts, code lengths on the held-out documents; then the base with
 one more context beside the previous token's.
 
+``--transforms`` adds what a transform before quantisation would save at the same
+model quality (:mod:`codecbench.transforms`): keys taken back before RoPE, a KLT of
+each head's channels in the Fisher-weighted domain, and both; each swept over its
+step, its KL and perplexity measured on the held-out documents and its bits coded
+with tables from the calibration texts, then compared at the held-out KL of today's
+``default`` and ``low`` (the real objects' in the same run, else 2026-11-28's).
+
 Writes a table and ``bench/results/progressive.json`` (or ``--json``).
 """
 
@@ -79,8 +87,11 @@ def parse_args() -> argparse.Namespace:
                    help="also plan a ladder by real-KL bisection and compare entropy estimates")
     p.add_argument("--contexts", action="store_true",
                    help="also estimate the nested symbols' cost with the previous token as context")
+    p.add_argument("--transforms", action="store_true",
+                   help="also measure transforms before quantisation (keys before RoPE, a KLT "
+                        "per head) at the same KL")
     p.add_argument("--no-real", action="store_true",
-                   help="skip the real objects (with --design or --contexts)")
+                   help="skip the real objects (with --design, --contexts or --transforms)")
     p.add_argument("--json", type=Path, default=RESULTS / "progressive.json")
     return p.parse_args()  # fmt: skip
 
@@ -120,6 +131,9 @@ def main() -> int:
         out["contexts"] = contexts_study(console, args, model, profile, samples)
     if args.design:
         out["design"] = design_study(console, args, model, profile, samples)
+    if args.transforms:
+        out["transforms"] = transforms_study(console, args, model, profile, samples,
+                                             out.get("real"))  # fmt: skip
     out["seconds"] = time.perf_counter() - started
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2) + "\n")
@@ -283,6 +297,56 @@ def contexts_study(console: Any, args: argparse.Namespace, model: Any, profile: 
     console.print(f"lag-1 correlation of the calibration streams, quartiles {q[0]:.2f} "
                   f"{q[1]:.2f} {q[2]:.2f}; a KLT per head could save at most K {g['K']:.3f}, "
                   f"V {g['V']:.3f} bits per element (high-resolution coding gain)")  # fmt: skip
+    return result
+
+
+#: Held-out KL of the nested levels the transforms are compared at, where the run has
+#: no real objects (bench/progressive.py, 2026-11-28: docs/levels.md).
+REFERENCE_KLS = {"default": 0.0043, "low": 0.0120}
+
+
+def transforms_study(console: Any, args: argparse.Namespace, model: Any, profile: Any,
+                     samples: dict[str, tuple[str, Any]], real: dict[str, Any] | None
+                     ) -> dict[str, Any]:  # fmt: skip
+    """Keys before RoPE and a KLT per head against today's channels, at the same KL."""
+    from codecbench.transforms import transform_study
+    from rich.table import Table
+
+    from kvcdn.calibrate import bundled_texts, calibration_samples, sensitivity
+
+    t = time.perf_counter()
+    calib = calibration_samples(model, bundled_texts(), args.context_tokens)
+    fisher = sensitivity(model, calib, profile.sinks)
+    references = dict(REFERENCE_KLS)
+    if real is not None:
+        references = {name: real["summary"][name]["nested"]["kl"] for name in references}
+    result = transform_study(model, calib, fisher, profile.sinks,
+                             {doc: sample for doc, (_, sample) in samples.items()},
+                             references, progress=log)  # fmt: skip
+    log(f"transforms study in {time.perf_counter() - t:.0f} s")
+    table = Table(title=f"Transforms before quantisation: {model.name}, mean of {len(samples)} "
+                  "held-out documents; bits of the symbols (tables from the calibration texts, "
+                  "the previous token's sign as context) at the KL of today's levels")  # fmt: skip
+    table.add_column("scheme")
+    for ref, kl in references.items():
+        for col in (f"bits at {ref}'s KL {kl:.4f}", "vs today", "PPL Δ%"):
+            table.add_column(col, justify="right")
+    today = result["schemes"]["channels (today)"]["at"]
+    for name, scheme in result["schemes"].items():
+        cells = []
+        for ref in references:
+            at, base = scheme["at"][ref], today[ref]
+            if at["bits"] is None or base["bits"] is None:
+                cells += ["outside the sweep", "", ""]
+                continue
+            cells += [f"{at['bits']:.3f}", f"{at['bits'] - base['bits']:+.3f}",
+                      f"{at['ppl_delta_pct']:+.2f}"]  # fmt: skip
+        table.add_row(name, *cells)
+    console.print(table)
+    inv = result["inverse"]
+    console.print(f"the inverse transforms of a 256-token chunk on {inv['threads']} threads: "
+                  f"a KLT per head {inv['klt_mb_s']:.0f} MB/s, RoPE's rotation of the keys "
+                  f"{inv['rope_mb_s']:.0f} MB/s (fp16-equivalent)")  # fmt: skip
     return result
 
 
