@@ -36,7 +36,7 @@ def test_a_head_klt_inverts_and_decorrelates(model) -> None:
 
     calibration = [kv(), kv()]
     fisher = rng.uniform(0.5, 2.0, (1, 2, 2, dim))
-    scheme = Scheme(True, True, calibration, fisher, 4, rope)
+    scheme = Scheme(True, "head", calibration, fisher, 4, rope)
     x = kv()
     np.testing.assert_allclose(scheme.values(scheme.coefficients(x)), x, rtol=0, atol=1e-9)
     c = np.concatenate([scheme.coefficients(k)[:, :, :, 4:] for k in calibration], axis=3)
@@ -45,6 +45,9 @@ def test_a_head_klt_inverts_and_decorrelates(model) -> None:
     assert np.abs(off).max() < 1e-9 * np.abs(np.diag(cov)).max()
     assert np.abs(np.cov(x[0, 1, 0], rowvar=False) - np.diag(np.diag(np.cov(
         x[0, 1, 0], rowvar=False)))).max() > 0.1  # the values were correlated  # fmt: skip
+    shared = Scheme(True, "layer", calibration, fisher, 4, rope)
+    np.testing.assert_array_equal(shared.basis[0, 1, 0], shared.basis[0, 1, 1])
+    np.testing.assert_allclose(shared.values(shared.coefficients(x)), x, rtol=0, atol=1e-9)
 
 
 def test_bits_are_compared_at_the_same_kl() -> None:
