@@ -34,10 +34,12 @@ MB/s on this host's CPUs.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
+
+from .contexts import _previous
+from .measure import best_seconds
 
 #: Symbols are clipped to this magnitude, as the codec's base indices are.
 LIMIT = 127
@@ -152,9 +154,7 @@ def _symbols(coefficients: np.ndarray, steps: np.ndarray, sinks: int) -> np.ndar
 
 def _context(q: np.ndarray) -> np.ndarray:
     """The previous token's symbol's sign class (0, 1, 2); the first token's is 1."""
-    ctx = np.ones_like(q)
-    ctx[:, 1:] = np.sign(q[:, :-1]) + 1
-    return ctx
+    return np.sign(_previous(q, 0)) + 1
 
 
 class _Tables:
@@ -224,13 +224,8 @@ def inverse_cost(shape: tuple[int, ...], chunk: int = 256, repeat: int = 5) -> d
     mb = layers * two * heads * chunk * dim * 2 / 1e6
 
     def best(fn: Any) -> float:
-        fn()
-        times = []
-        for _ in range(repeat):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return mb / min(times)
+        fn()  # a warm-up
+        return mb / best_seconds(fn, repeat)
 
     def rope() -> None:
         half = dim // 2
