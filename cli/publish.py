@@ -571,6 +571,15 @@ def refresh(
     help="Also write the profile to this file (safetensors), e.g. to ship it with a "
     "deployment: a publish uses a profile file it finds in KVCDN_PROFILE_CACHE.",
 )
+@click.option(
+    "--transform/--no-transform",
+    default=False,
+    show_default=True,
+    help="Code the nested ladder's KLT coefficients instead of its channels: each "
+    "head's keys taken back before RoPE and turned by the eigenvectors of its "
+    "Fisher-weighted covariance. About a fifth fewer bits at the same quality; "
+    "readers need a kvcdn that knows the kvcdn-nested-klt-v1 codec.",
+)
 @store_option
 @endpoint_option
 @device_option
@@ -579,6 +588,7 @@ def calibrate(
     model: str | None,
     docs: tuple[Path, ...],
     out_file: Path | None,
+    transform: bool,
     store: str | None,
     endpoint_url: str | None,
     device: str | None,
@@ -609,8 +619,9 @@ def calibrate(
         loaded = load_model(model, device)
     with _progress(not as_json) as progress:
         profile = do_calibrate(
-            loaded, texts, progress=_progress_callback(progress, f"calibrate {loaded.name}")
-        )
+            loaded, texts, transform=transform,
+            progress=_progress_callback(progress, f"calibrate {loaded.name}"),
+        )  # fmt: skip
     ref = publish_profile(target, profile)
     if out_file is not None:
         _write_file(out_file, profile.to_bytes())

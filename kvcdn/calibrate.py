@@ -31,6 +31,7 @@ from .codec_profile import (
     CodecProfile,
     LevelSpec,
     NestedSpec,
+    NestedTransform,
     round_to_4_bits,
 )
 from .errors import InputError
@@ -68,10 +69,13 @@ def calibrate(
     sinks: int = DEFAULT_SINKS,
     levels: Sequence[str] = tuple(LADDER),
     nested_tiers: Sequence[str] = NESTED_TIERS,
+    transform: bool = False,
     progress: ProgressFn | None = None,
 ) -> CodecProfile:
     """Measure ``model`` on ``texts`` (name -> text) and return its codec profile, with
-    the nested ladder's ``nested_tiers`` (none: a profile without one)."""
+    the nested ladder's ``nested_tiers`` (none: a profile without one), coding each
+    head's KLT coefficients where ``transform`` (:func:`klt_transform`), else its
+    channels."""
     import torch
 
     progress = progress or (lambda stage, done, total: None)
@@ -149,14 +153,13 @@ def calibrate(
     nested = None
     if nested_tiers:
         progress("nested", 0, 1)
-        def real_kl(plan: Any) -> float:
-            return _kl_nested(model, samples, mean, plan, sinks)
-
         # each tier as good as the independent level of its name, never worse than its target
         targets = {name: min(LADDER[name], reached.get(name, LADDER[name]))
                    for name in nested_tiers[1:]}  # fmt: skip
-        nested, tables = _plan_nested(body, mean, sd, unit, floor, steps, measured, nested_tiers,
-                                      targets, real_kl)  # fmt: skip
+        fit = _kl_fit(body, mean, unit, steps, measured)
+        stage = _nested_of_coefficients if transform else _nested_of_channels
+        nested, tables = stage(model, samples, body, mean, fisher, unit, floor, sinks, fit,
+                               nested_tiers, targets)  # fmt: skip
         nested.base_table += freqs.shape[0]  # the new tables come after the ladder's
         nested.refine_table += freqs.shape[0]
         freqs, table_lo, table_size = _append_tables((freqs, table_lo, table_size), tables)
@@ -404,22 +407,94 @@ def _verify_nested(
 NESTED_BASE_BITS = 1.3
 #: Every fourth calibration token is enough to plan splits and build tables.
 NESTED_TOKEN_STRIDE = 4
+#: A transformed nested ladder's tiers are planned to this fraction of their KL targets:
+#: planned to the targets themselves, the embedded model's held-out KL was 1.4x its
+#: calibration KL, where the channels' is 1.1x (2026-11-29, docs/levels.md).
+TRANSFORM_TARGET_MARGIN = 0.8
 #: Replans of a nested tier whose measured KL missed its target (one measure each).
 NESTED_CORRECTIONS = 3
 
 
+def _nested_of_channels(
+    model: LoadedModel, samples: list[Sample], body: np.ndarray, mean: np.ndarray,
+    fisher: np.ndarray, unit: np.ndarray, floor: np.ndarray, sinks: int,
+    fit: tuple[float, float], tiers: Sequence[str], targets: dict[str, float],
+) -> tuple[NestedSpec, Tables]:  # fmt: skip
+    """The nested ladder of each head's channels, around their calibrated ``mean``."""
+
+    def real_kl(plan: Any) -> float:
+        return _kl_nested(model, samples, mean, plan, sinks)
+
+    sd = body.std(axis=3).astype(np.float64)
+    return _plan_nested(body, mean, sd, unit, floor, fit, tiers, targets, real_kl)
+
+
+def _nested_of_coefficients(
+    model: LoadedModel, samples: list[Sample], body: np.ndarray, mean: np.ndarray,
+    fisher: np.ndarray, unit: np.ndarray, floor: np.ndarray, sinks: int,
+    fit: tuple[float, float], tiers: Sequence[str], targets: dict[str, float],
+) -> tuple[NestedSpec, Tables]:  # fmt: skip
+    """The nested ladder of each head's KLT coefficients (:func:`klt_transform`): every
+    coefficient has weight 1 (one step serves all), splits are ranked by the error they
+    remove, and tiers are planned to :data:`TRANSFORM_TARGET_MARGIN` of their targets
+    (their KL on other texts runs higher than on these: docs/levels.md)."""
+    tf = klt_transform(model, samples, body, mean, fisher, unit, sinks)
+    coefficients = [_coefficients(tf, s.kv.numpy()) for s in samples]
+    streams = np.concatenate([c[:, :, :, sinks:] for c in coefficients], axis=3)
+    tf.mean = streams.mean(axis=3).astype(np.float32)
+    reach = np.abs(streams - tf.mean[:, :, :, None, :]).max(axis=3) * 1.3 / 127
+
+    def real_kl(plan: Any) -> float:
+        return _kl_nested(model, samples, tf.mean, plan, sinks, tf, coefficients)
+
+    margin = {name: TRANSFORM_TARGET_MARGIN * t for name, t in targets.items()}
+    nested, tables = _plan_nested(streams, tf.mean, streams.std(axis=3).astype(np.float64),
+                                  np.ones_like(unit), reach, fit, tiers, margin, real_kl,
+                                  measured=True)  # fmt: skip
+    nested.transform = tf
+    return nested, tables
+
+
+def _kl_fit(body: np.ndarray, mean: np.ndarray, unit: np.ndarray,
+            steps: Callable[[float], np.ndarray], measured: list[tuple[float, float]]
+            ) -> tuple[float, float]:  # fmt: skip
+    """KL as a function of the Fisher-weighted squared error (``sum((err / unit)**2)``
+    over streams, each its mean over tokens) that a quantiser makes on the calibration
+    data: ``log KL = slope log error + intercept``, fitted to the ladder search's
+    measurements (where most values fall in the middle cell the error is their
+    spread, not the step's). A transform that keeps the weighted error (the KLT in
+    the weighted domain) keeps the fit."""
+    from . import progressive as pg
+
+    x = pg.streams_of(body[:, :, :, ::NESTED_TOKEN_STRIDE], mean)
+    weight = (1.0 / unit**2).reshape(-1)
+
+    def error(step: np.ndarray) -> float:
+        s = step.reshape(-1)[:, None].astype(np.float64)
+        err = x - np.clip(np.rint(x / s), -pg.BASE_LIMIT, pg.BASE_LIMIT) * s
+        return float((weight * (err**2).mean(axis=1)).sum())
+
+    pts = np.array([(math.log(error(steps(st))), math.log(max(kl, 1e-9)))
+                    for st, kl in measured])  # fmt: skip
+    if len(pts) < 2:
+        return 1.0, 0.0
+    slope, icept = np.polyfit(pts[:, 0], pts[:, 1], 1)
+    return float(slope), float(icept)
+
+
 def _plan_nested(
     body: np.ndarray, mean: np.ndarray, sd: np.ndarray, unit: np.ndarray, floor: np.ndarray,
-    steps: Callable[[float], np.ndarray], measured: list[tuple[float, float]],
-    tiers: Sequence[str], targets: dict[str, float], real_kl: Callable[[Any], float],
+    fit: tuple[float, float], tiers: Sequence[str], targets: dict[str, float],
+    real_kl: Callable[[Any], float], measured: bool = False,
 ) -> tuple[NestedSpec, list[tuple[np.ndarray, int, int]]]:  # fmt: skip
-    """The nested ladder (:mod:`kvcdn.progressive`) and its new rANS tables (frequencies,
-    lo, size); ``targets`` is each refinement's KL. A refinement's KL is predicted (a
-    bisection needs many) from the Fisher-weighted squared error, fitted in log-log to
-    the ladder search's own measurements; each planned tier's KL is then measured
-    (``real_kl``) and, while it is above the target or more than a fifth below it, the
-    tier is planned again with the target corrected by the miss (at most
-    ``NESTED_CORRECTIONS`` times; the cheapest plan measured within its target wins)."""
+    """The nested ladder (:mod:`kvcdn.progressive`) of the streams ``body`` ``[L, 2, H,
+    T, D]`` (channels, or a transform's coefficients) and its new rANS tables
+    (frequencies, lo, size); ``targets`` is each refinement's KL. A refinement's KL is
+    predicted (a bisection needs many) from the weighted squared error, by ``fit``
+    (:func:`_kl_fit`); each planned tier's KL is then measured (``real_kl``) and,
+    while it is above the target or more than a fifth below it, the tier is planned
+    again with the target corrected by the miss (at most ``NESTED_CORRECTIONS``
+    times; the cheapest plan measured within its target wins)."""
     from . import progressive as pg
 
     names = list(tiers)
@@ -429,22 +504,12 @@ def _plan_nested(
     shape = mean.shape
     weight = (1.0 / unit**2).reshape(-1)
     unit_n, floor_n = unit.reshape(-1), np.maximum(floor.reshape(-1), 1e-6)
+    slope, icept = fit
 
-    # KL predicted from the Fisher-weighted squared error the quantiser makes on the
-    # calibration data (where most values fall in the middle cell the error is their
-    # spread, not the step's), fitted in log-log to the ladder search's measurements
-    # (each stream's share of it: a refinement's bisection sums them, split or not)
+    # each stream's share of the weighted error (a refinement's bisection sums them,
+    # split or not)
     def shares(err: np.ndarray) -> np.ndarray:
         return weight * (err**2).mean(axis=1)
-
-    def independent(step: np.ndarray) -> np.ndarray:
-        s = step.reshape(-1)[:, None].astype(np.float64)
-        return x - np.clip(np.rint(x / s), -pg.BASE_LIMIT, pg.BASE_LIMIT) * s
-
-    pts = np.array([(math.log(float(shares(independent(steps(st))).sum())),
-                     math.log(max(kl, 1e-9)))
-                    for st, kl in measured])  # fmt: skip
-    slope, icept = np.polyfit(pts[:, 0], pts[:, 1], 1) if len(pts) > 1 else (1.0, 0.0)
 
     def shares_at(plan: pg.NestedPlan, depth: np.ndarray) -> np.ndarray:
         # at ``depth`` each stream is the midtread quantiser of its step (boundaries aside)
@@ -476,7 +541,7 @@ def _plan_nested(
         lo, hi = (mid, hi) if bits > NESTED_BASE_BITS else (lo, mid)
     plan = pg.base_plan(base_step(hi))
     for name in names[1:]:
-        plan = _plan_tier(x, plan, weight, kl_of, real_kl, targets[name])
+        plan = _plan_tier(x, plan, weight, kl_of, real_kl, targets[name], measured)
         log.info("calibrate nested %s: %.1f%% of streams split (target KL %.5f)", name,
                  100 * float((plan.depth[-1] > plan.depth[-2]).mean()), targets[name])  # fmt: skip
     # Steps exact in float32: the finest with 4 significant bits, the others 3**j times it.
@@ -581,7 +646,8 @@ def _nested_tables(plan: Any, x: np.ndarray, x_next: np.ndarray, sd: np.ndarray
 
 
 def _plan_tier(x: np.ndarray, below: Any, weight: np.ndarray, kl_of: Callable[[Any], float],
-               real_kl: Callable[[Any], float], target: float) -> Any:  # fmt: skip
+               real_kl: Callable[[Any], float], target: float, measured: bool = False
+               ) -> Any:  # fmt: skip
     """One refinement on ``below`` whose measured KL meets ``target``, as cheaply as the
     measures found: planned for the predicted KL (``kl_of``), measured (``real_kl``),
     and while the measure is above the target or more than a fifth below it, planned
@@ -599,7 +665,7 @@ def _plan_tier(x: np.ndarray, below: Any, weight: np.ndarray, kl_of: Callable[[A
 
     aim = target
     tried: list[tuple[float, float, int, Any]] = []  # (aim, real KL, streams split, plan)
-    order = pg.split_order(x, below, weight)  # the same for every aim
+    order = pg.split_order(x, below, weight, measured=measured)  # the same for every aim
     for _ in range(NESTED_CORRECTIONS + 1):
         plan = pg.plan_refinement(x, below, weight, kl_of, aim, order=order)
         if any(np.array_equal(plan.depth[-1], t[3].depth[-1]) for t in tried):
@@ -628,18 +694,88 @@ def _plan_tier(x: np.ndarray, below: Any, weight: np.ndarray, kl_of: Callable[[A
 
 
 def _kl_nested(model: LoadedModel, samples: list[Sample], mean: np.ndarray, plan: Any,
-               sinks: int) -> float:  # fmt: skip
-    """Mean KL on the calibration texts of the nested plan's last level (no coding)."""
+               sinks: int, transform: NestedTransform | None = None,
+               coefficients: list[np.ndarray] | None = None) -> float:  # fmt: skip
+    """Mean KL on the calibration texts of the nested plan's last level (no coding); of
+    the samples' ``coefficients`` and back through ``transform``, where given."""
     import torch
 
     from . import progressive as pg
 
     top = plan.levels - 1
     kls = []
-    for sample in samples:
-        kv = torch.from_numpy(pg.level_values(sample.kv.numpy(), mean, plan, top, sinks))
+    for i, sample in enumerate(samples):
+        if transform is None:
+            kv = pg.level_values(sample.kv.numpy(), mean, plan, top, sinks)
+        else:
+            assert coefficients is not None
+            kv = pg.level_values(coefficients[i], mean, plan, top, sinks)
+            _values_in_place(transform, kv)
+            kv[:, :, :, :sinks] = sample.kv.numpy()[:, :, :, :sinks]
+        kv = torch.from_numpy(kv)
         kls.append(compare(sample, continuation_logits(model, kv, sample.continuation))["kl"])
     return float(np.mean(kls))
+
+
+# ---- the nested ladder's transform ------------------------------------------------------
+
+
+def klt_transform(model: LoadedModel, samples: list[Sample], body: np.ndarray,
+                  mean: np.ndarray, fisher: np.ndarray, unit: np.ndarray, sinks: int
+                  ) -> NestedTransform:  # fmt: skip
+    """The nested ladder's transform (its ``mean`` still to be set): per head, keys
+    taken back before RoPE (the model's own frequencies), scaled by their Fisher
+    weight (``1 / unit``: a pair of channels RoPE turns together shares one, their
+    mean), and turned by the KLT of that weighted domain, the eigenvectors of the
+    head's covariance on the calibration texts, largest first. One step then serves
+    every coefficient; the study behind it is ``bench/progressive.py --transforms``
+    (docs/levels.md)."""
+    layers, two, heads, dim = mean.shape
+    inv_freq = _rotary_frequencies(model, dim)
+    weight = 1.0 / unit.astype(np.float64) ** 2
+    if inv_freq is not None:  # a pair turned together shares its weight
+        half = dim // 2
+        pair = (weight[:, 0, :, :half] + weight[:, 0, :, half:]) / 2
+        weight[:, 0, :, :half] = weight[:, 0, :, half:] = pair
+    scale = np.sqrt(weight)
+    plain = NestedTransform(mean=np.zeros_like(mean), inv_freq=inv_freq,
+                            synthesis=np.broadcast_to(np.eye(dim, dtype=np.float32),
+                                                      (*mean.shape, dim)).copy())  # fmt: skip
+    turned = np.concatenate([_coefficients(plain, s.kv.numpy())[:, :, :, sinks:]
+                             for s in samples], axis=3)  # fmt: skip
+    synthesis = np.empty((*mean.shape, dim), dtype=np.float32)
+    for idx in np.ndindex(layers, two, heads):
+        y = turned[idx] * scale[idx]
+        _, vectors = np.linalg.eigh(np.cov(y, rowvar=False))
+        basis = vectors[:, ::-1]  # the largest variance first
+        synthesis[idx] = (basis / scale[idx][:, None]).astype(np.float32)
+    return NestedTransform(mean=np.zeros_like(mean), synthesis=synthesis, inv_freq=inv_freq)
+
+
+def _rotary_frequencies(model: LoadedModel, dim: int) -> np.ndarray | None:
+    """The model's rotary frequencies ``[D / 2]`` (float64), or None where it has none
+    of that shape (the transform then turns nothing)."""
+    inner = getattr(model.model, "model", None)
+    freq = getattr(getattr(inner, "rotary_emb", None), "inv_freq", None)
+    if freq is None or tuple(freq.shape) != (dim // 2,):
+        return None
+    return freq.detach().double().cpu().numpy()
+
+
+def _coefficients(transform: NestedTransform, kv: np.ndarray) -> np.ndarray:
+    """A sample's KV ``[L, 2, H, T, D]`` (from position 0) as coefficients."""
+    layers, two, heads, tokens, dim = kv.shape
+    g = layers * two * heads
+    y = transform.coefficients(kv.reshape(g, tokens, dim), np.arange(g), heads, 0)
+    return y.reshape(kv.shape)
+
+
+def _values_in_place(transform: NestedTransform, y: np.ndarray) -> None:
+    """Coefficients ``[L, 2, H, T, D]`` (from position 0) turned into values, in place."""
+    layers, two, heads, tokens, dim = y.shape
+    g = layers * two * heads
+    flat = y.reshape(g, tokens, dim)
+    transform.values_into(flat, np.arange(g), heads, 0, flat)
 
 
 def _append_tables(

@@ -101,9 +101,10 @@ def nested_level(name: str, profile: CodecProfile) -> Level:
         raise InputError(f"the codec profile has no nested tier {name}")
     quality = spec.quality.get(name, {})
     target = f"calibrated to KL {LADDER[name]:g}" if name in LADDER else "the nested base"
+    codec = nested.NestedCodec if spec.transform is None else nested.NestedKltCodec
     return Level(
         name,
-        nested.NestedCodec.id,
+        codec.id,
         {"profile": profile.sha256, "tiers": list(spec.tiers)},
         f"{target}, nested (measured {quality.get('kl', float('nan')):.4f})",
     )
@@ -184,8 +185,9 @@ def encode_chunk(
     codec = codec_for(level.codec, f"level {level.name}")
     if codec.needs_profile and profile is None:
         raise InputError(f"level {level.name} needs the model's codec profile")
-    header = ChunkHeader(level.codec, codec.object_level(level.name, level.params), level.params,
-                         tuple(kv.shape), chunk_hash)  # fmt: skip
+    header = ChunkHeader(level.codec, codec.object_level(level.name, level.params),
+                         codec.object_params(level.params, start), tuple(kv.shape),
+                         chunk_hash)  # fmt: skip
     kv = kv.detach().cpu()
     if version == 1:
         return pack(header, codec.encode(kv, level.params, profile, start))

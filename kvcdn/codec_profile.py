@@ -68,6 +68,12 @@ NESTED_CONTEXTS = 3
 PREVIOUS_TOKEN = "previous-token"
 PREVIOUS_BASE_CONTEXTS = 3
 PREVIOUS_REFINE_CONTEXTS = NESTED_CONTEXTS * 3
+#: ``nested.transform`` of a profile whose nested ladder codes coefficients, not
+#: channels (:class:`NestedTransform`).
+KLT_TRANSFORM = "klt-v1"
+#: A synthesis matrix's entries, at most (a calibrated one's are about ``1 /
+#: sqrt(fisher)``: bounded, so that no decoded value overflows float32).
+MAX_SYNTHESIS = 1e12
 #: Derived values a profile keeps (:meth:`CodecProfile.derived`): a few devices times
 #: the parts a reader decodes (a tensor-parallel rank's heads, a pipeline stage's layers).
 DERIVED_KEPT = 64
@@ -90,6 +96,73 @@ class LevelSpec:
 
 
 @dataclass
+class NestedTransform:
+    """What the nested ladder codes in place of each head's channels
+    (:mod:`kvcdn.kernels.transform`): coefficients ``y = M^-1 u``, where ``u`` is the
+    head's values with keys' rotary embedding taken back (when ``inv_freq`` is given)
+    and ``M`` the head's synthesis matrix. Calibrated as a KLT: ``M = diag(1 /
+    sqrt(fisher)) B``, ``B`` the eigenvectors of the head's Fisher-weighted covariance
+    (``docs/levels.md``), so that one step serves every coefficient."""
+
+    mean: np.ndarray  # float32 [L, 2, H, D]: the coefficients' calibrated mean
+    synthesis: np.ndarray  # float32 [L, 2, H, D, D]: M, values = M @ coefficients
+    inv_freq: np.ndarray | None  # float64 [D / 2]: the keys' rotary frequencies, or None
+    # derived, cached: the kernels' layout and the encoder's inverse
+    _transposed: Any = field(default=None, init=False, repr=False, compare=False)
+    _analysis: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def transposed(self) -> np.ndarray:
+        """``M`` transposed per group ``[G, D, D]``, as the decoders take it."""
+        if self._transposed is None:
+            D = self.synthesis.shape[-1]
+            m = self.synthesis.reshape(-1, D, D)
+            self._transposed = np.ascontiguousarray(np.swapaxes(m, 1, 2))
+        return self._transposed
+
+    def analysis(self) -> np.ndarray:
+        """``M``'s inverse per group ``[G, D, D]`` (float64), as the encoder takes it."""
+        if self._analysis is None:
+            D = self.synthesis.shape[-1]
+            try:
+                self._analysis = np.linalg.inv(self.synthesis.reshape(-1, D, D).astype(np.float64))
+            except np.linalg.LinAlgError:
+                raise FormatError("the codec profile's transform has a singular matrix: "
+                                  "nothing can be encoded with it") from None  # fmt: skip
+        return self._analysis
+
+    def rotate(self, gids: np.ndarray, heads: int) -> np.ndarray:
+        """Which of groups ``gids`` (layer, K/V, head order) are keys turned by RoPE."""
+        keys = (np.asarray(gids) // heads) % 2 == 0
+        return keys if self.inv_freq is not None else np.zeros_like(keys)
+
+    def rope_tables(self, first: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        from kvcdn.kernels.transform import rope_tables
+
+        if self.inv_freq is None:
+            empty = np.zeros((tokens, self.synthesis.shape[-1] // 2), dtype=np.float32)
+            return empty, empty
+        return rope_tables(self.inv_freq, first, tokens)
+
+    def coefficients(self, x: np.ndarray, gids: np.ndarray, heads: int, first: int
+                     ) -> np.ndarray:  # fmt: skip
+        """Coefficients ``[G, T, D]`` of values ``x [G, T, D]`` of groups ``gids``, whose
+        first token is at position ``first``."""
+        from kvcdn.kernels.transform import analyse
+
+        cos, sin = self.rope_tables(first, x.shape[1])
+        return analyse(x, self.analysis()[gids], self.rotate(gids, heads), cos, sin)
+
+    def values_into(self, y: np.ndarray, gids: np.ndarray, heads: int, first: int,
+                    out: np.ndarray) -> None:  # fmt: skip
+        """Values of coefficients ``y [G, T, D]`` into ``out`` (which may be ``y``), to
+        the bit as ``docs/format.md`` specifies."""
+        from kvcdn.kernels.transform import synthesise
+
+        cos, sin = self.rope_tables(first, y.shape[1])
+        synthesise(y, self.transposed()[gids], self.rotate(gids, heads), cos, sin, out)
+
+
+@dataclass
 class NestedSpec:
     """The nested ladder (:mod:`kvcdn.progressive`): per stream ``[L, 2, H, D]``, the
     finest tier's step and how many times each tier has split the stream; the base's
@@ -104,6 +177,8 @@ class NestedSpec:
     # uint16 [tiers - 1, C, L, 2, H, D], C = NESTED_CONTEXTS or PREVIOUS_REFINE_CONTEXTS
     refine_table: np.ndarray
     quality: dict[str, dict[str, float]] = field(default_factory=dict)  # per tier
+    #: None: the streams are the channels, around the profile's ``mean``
+    transform: NestedTransform | None = None
 
     def tier(self, name: str) -> int:
         return self.tiers.index(name)
@@ -242,8 +317,9 @@ class CodecProfile:
             tiers = len(spec.tiers)
             base = spec.base_table[0].reshape(G, -1).astype(np.int64)
             refine = spec.refine_table[:, :: spec.refine_table.shape[1] // NESTED_CONTEXTS]
+            mean = self.mean if spec.transform is None else spec.transform.mean
             cached = self._per_level["\0nested"] = (
-                self.mean.reshape(G, -1),
+                mean.reshape(G, -1),
                 spec.fine_step.reshape(G, -1),
                 spec.depth.reshape(tiers, G, -1).astype(np.int64),
                 self.table_lo[base].astype(np.int64),
@@ -307,6 +383,12 @@ def _serialise(p: CodecProfile) -> bytes:
                           "quality": nested.quality}  # fmt: skip
         if nested.previous_token:
             meta["nested"]["contexts"] = PREVIOUS_TOKEN
+        if (tf := nested.transform) is not None:
+            meta["nested"]["transform"] = KLT_TRANSFORM
+            tensors["nested.transform.mean"] = tf.mean.astype(np.float32)
+            tensors["nested.transform.synthesis"] = tf.synthesis.astype(np.float32)
+            if tf.inv_freq is not None:
+                tensors["nested.transform.inv_freq"] = tf.inv_freq.astype(np.float64)
     return save(tensors, metadata={"kvcdn": json.dumps(meta, sort_keys=True)})
 
 
@@ -454,6 +536,7 @@ def _parse_nested(
     if np.any(table_lo[refine] != 0) or np.any(table_size[refine] != 3):
         raise bad("a nested refinement table must code the three symbols 0, 1, 2")
     quality = bad.dict(meta.get("quality", {}), "nested.quality")
+    transform = _parse_transform(meta.get("transform"), arrays, shape, bad)
     return NestedSpec(
         tiers=tuple(tiers),
         base_strength=bad.num(meta.get("base_strength"), "nested.base_strength"),
@@ -466,7 +549,32 @@ def _parse_nested(
                      for k, v in bad.dict(q, f"nested.quality.{t}").items()}
             for t, q in quality.items()
         },
+        transform=transform,
     )  # fmt: skip
+
+
+def _parse_transform(name: Any, arrays: dict[str, np.ndarray], shape: tuple[int, ...],
+                     bad: _Check) -> NestedTransform | None:  # fmt: skip
+    """The nested ladder's transform, every array checked (None: it has none)."""
+    if name is None:
+        if any(k.startswith("nested.transform.") for k in arrays):
+            raise bad("nested.transform arrays without nested.transform")
+        return None
+    if name != KLT_TRANSFORM:
+        raise bad(f"nested.transform must be {KLT_TRANSFORM!r} or absent")
+    dim = shape[-1]
+    if dim % 2:
+        raise bad("a nested transform needs an even head_dim")
+    mean = bad.array(arrays, "nested.transform.mean", np.float32, shape)
+    synthesis = bad.array(arrays, "nested.transform.synthesis", np.float32, (*shape, dim))
+    if not np.all(np.isfinite(mean)) or not np.all(np.abs(synthesis) <= MAX_SYNTHESIS):
+        raise bad("nested.transform has non-finite or out-of-range values")
+    inv_freq = None
+    if "nested.transform.inv_freq" in arrays:
+        inv_freq = bad.array(arrays, "nested.transform.inv_freq", np.float64, (dim // 2,))
+        if not np.all(np.isfinite(inv_freq)) or np.any(inv_freq < 0) or np.any(inv_freq > 4):
+            raise bad("nested.transform.inv_freq must be rotary frequencies in [0, 4]")
+    return NestedTransform(mean=mean, synthesis=synthesis, inv_freq=inv_freq)
 
 
 class _Check:

@@ -24,7 +24,10 @@ independently coded levels, and ``docs/levels.md`` gives the figures.
   whose document mean moves away from the calibrated one, which an unsplit coarse
   step then misses on every token). Streams are split in order of benefit per
   bit, and each level splits the fraction whose measured KL on the calibration
-  texts meets the level's target.
+  texts meets the level's target. A transform's coefficients (the KLT of
+  ``kvcdn.kernels.transform``) are ordered by the error a split removes on the
+  calibration data instead: many of them lie far inside the step, where the
+  uniform-noise benefit is a promise a split does not keep.
 * **Coding a refinement symbol.** ``c`` is turned to count from the side nearest
   the mean (``s = c`` above it, ``2 - c`` below), and coded with a table chosen by
   ``min(|p|, 2)``: the middle cell's children are symmetric, its neighbours' lean
@@ -223,15 +226,27 @@ def level_bits(x: np.ndarray, plan: NestedPlan) -> list[float]:
 KlOfPlan = Callable[[NestedPlan], float]
 
 
-def split_order(x: np.ndarray, plan: NestedPlan, fisher: np.ndarray) -> np.ndarray:
+def split_order(x: np.ndarray, plan: NestedPlan, fisher: np.ndarray, *,
+                measured: bool = False) -> np.ndarray:  # fmt: skip
     """The streams in the order a refinement on ``plan`` splits them: best benefit per
     bit first. ``x`` is the calibration data ``[N, T]`` (mean removed), ``fisher``
-    each stream's sensitivity."""
-    n = level_indices(x, plan, plan.levels - 1)
+    each stream's sensitivity. The benefit is the step's uniform-noise distortion
+    (module doc), or with ``measured`` the squared error the split removes on ``x``:
+    a transform's coefficients (``kvcdn.kernels.transform``) include many whose
+    values are far inside the step, where the uniform-noise model promises a gain a
+    split does not give, at a low price in bits, so they would be split first."""
+    top = plan.levels - 1
+    n = level_indices(x, plan, top)
     trial = plan.with_level(np.ones(len(fisher), dtype=bool))
-    cost = refinement_bits(n, level_indices(x, trial, trial.levels - 1))
-    step = plan.step(plan.levels - 1)
-    benefit = fisher * step**2 * (1 - 1 / SPLIT**2) / 12
+    finer = level_indices(x, trial, top + 1)
+    cost = refinement_bits(n, finer)
+    step = plan.step(top)
+    if measured:
+        now = ((x - n * step[:, None]) ** 2).mean(axis=1)
+        split = ((x - finer * trial.step(top + 1)[:, None]) ** 2).mean(axis=1)
+        benefit = fisher * np.maximum(now - split, 0.0)
+    else:
+        benefit = fisher * step**2 * (1 - 1 / SPLIT**2) / 12
     return np.argsort(-benefit / np.maximum(cost, 1e-3), kind="stable")
 
 

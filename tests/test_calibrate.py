@@ -50,14 +50,19 @@ def test_a_search_measures_each_step_array_once(llama, monkeypatch, caplog):
         assert profile.levels[name].quality["kl"] > cal.LADDER[name]
 
 
-def test_the_embedded_model_reaches_every_target(model):
+@pytest.fixture(scope="module")
+def sed_profile(model):
     """The whole calibration of a real model, every level and tier, on one text with 512
     tokens of context (seconds, where the bundled texts' 3 x 2,048 take minutes: the
     suite's publishes use the profile shipped with kvcdn, which `make embedded-profile`
     makes with this code on those texts)."""
+    return cal.calibrate(model, {"sed": SED_MANUAL.read_text()[:6000]}, context_tokens=512)
+
+
+def test_the_embedded_model_reaches_every_target(sed_profile):
     from kvcdn.codec_profile import NESTED_TIERS, parse_profile
 
-    profile = cal.calibrate(model, {"sed": SED_MANUAL.read_text()[:6000]}, context_tokens=512)
+    profile = sed_profile
     # each level's quality is a real encode and decode of the text, not the search's estimate
     for name, target in cal.LADDER.items():
         assert profile.levels[name].quality["kl"] <= target, name
@@ -74,6 +79,27 @@ def test_the_embedded_model_reaches_every_target(model):
     tier_bits = [nested[n]["bits_per_element"] for n in NESTED_TIERS]
     assert tier_bits == sorted(tier_bits)
     assert parse_profile(profile.to_bytes()).sha256 == profile.sha256
+
+
+def test_a_transform_meets_the_same_targets_with_fewer_bits(model, sed_profile):
+    """The nested ladder of the KLT coefficients (keys before RoPE, docs/levels.md) on
+    the same text: every tier within its target, real objects each smaller than the
+    channels' tier of the same name from `default` up, and a profile that parses."""
+    from kvcdn.codec_profile import NESTED_TIERS, parse_profile
+
+    profile = cal.calibrate(model, {"sed": SED_MANUAL.read_text()[:6000]}, context_tokens=512,
+                            transform=True)  # fmt: skip
+    spec = profile.nested
+    assert spec is not None and spec.transform is not None and spec.tiers == NESTED_TIERS
+    assert spec.transform.inv_freq is not None  # SmolLM2's keys are taken back before RoPE
+    ours, channels = spec.quality, sed_profile.nested.quality
+    for name in NESTED_TIERS[1:]:
+        assert ours[name]["kl"] <= 1.25 * cal.LADDER[name], (name, ours[name])
+    for name in ("low", "default", "high"):  # measured on these: 15-25% fewer bits
+        assert ours[name]["bits_per_element"] < 0.9 * channels[name]["bits_per_element"], name
+    assert ours["nearlossless"]["bits_per_element"] < channels["nearlossless"]["bits_per_element"]
+    again = parse_profile(profile.to_bytes())
+    assert again.sha256 == profile.sha256 and again.nested.transform is not None
 
 
 def test_the_bundled_profile_is_the_embedded_models_on_todays_settings(model):

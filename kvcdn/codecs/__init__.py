@@ -84,6 +84,11 @@ class Codec(ABC):
         holds several (the nested ladder) the word its keys' level id begins with."""
         return level
 
+    def object_params(self, params: dict[str, Any], start: int) -> dict[str, Any]:
+        """The params an object's header holds: the level's, and what the codec needs of
+        the chunk itself (the nested transform: its first token's position)."""
+        return params
+
     def tiers_for(self, level: str, params: dict[str, Any]) -> int | None:
         """How many tiers of its object level ``level`` reads, for a codec whose one
         object holds several levels (the nested ladder); None: the object is the level."""
@@ -176,10 +181,10 @@ def codec_for(codec_id: str, name: str = "chunk object") -> Codec:
 def _register_builtin() -> None:
     from .fp16 import Fp16Codec
     from .int8 import Int8Codec
-    from .nested import NestedCodec
+    from .nested import NestedCodec, NestedKltCodec
     from .rans import RansCodec
 
-    for codec in (Fp16Codec(), Int8Codec(), RansCodec(), NestedCodec()):
+    for codec in (Fp16Codec(), Int8Codec(), RansCodec(), NestedCodec(), NestedKltCodec()):
         register_codec(codec)
 
 

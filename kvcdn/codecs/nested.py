@@ -11,7 +11,10 @@ docs/format.md)::
     f16 sinks[2][S][D]                      the first S tokens, exact (tier 0 only)
     u16 words                               K's words, then V's
 
-The kernels are :mod:`kvcdn.kernels.nested`.
+The kernels are :mod:`kvcdn.kernels.nested`. ``kvcdn-nested-klt-v1``
+(:class:`NestedKltCodec`) is the same object for a profile with a transform: its
+streams are each head's coefficients (:mod:`kvcdn.kernels.transform`), and its header
+also gives the chunk's first position.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from .rans import device_decode_tables, pack_sections_of, triton_available
 if TYPE_CHECKING:
     import torch
 
-    from kvcdn.codec_profile import CodecProfile
+    from kvcdn.codec_profile import CodecProfile, NestedTransform
     from kvcdn.container import ChunkHeader, Part
 
 #: What a nested object's header names as its level: the object holds all of them (the
@@ -43,6 +46,8 @@ OBJECT_LEVEL = "nested"
 class NestedCodec(Codec):
     id: ClassVar[str] = "kvcdn-nested-v1"
     needs_profile: ClassVar[bool] = True
+    #: Whether the streams are a transform's coefficients (:class:`NestedKltCodec`).
+    transformed: ClassVar[bool] = False
 
     def object_level(self, level: str, params: dict[str, Any]) -> str:
         return OBJECT_LEVEL
@@ -72,7 +77,7 @@ class NestedCodec(Codec):
     ) -> list[bytes]:
         from kvcdn.kernels import nested
 
-        spec = _spec(profile, params, "the nested levels")
+        spec = _spec(profile, params, "the nested levels", self.transformed)
         assert profile is not None
         layers, two, heads, tokens, dim = kv.shape
         lay = profile.layout
@@ -81,9 +86,12 @@ class NestedCodec(Codec):
         groups = layers * two * heads
         sinks = max(0, min(profile.sinks - start, tokens))
         x = kv.float().numpy().reshape(groups, tokens, dim)
+        body = x[:, sinks:]
+        if spec.transform is not None:  # coefficients are coded, not channels
+            body = spec.transform.coefficients(body, np.arange(groups), heads, start + sinks)
         mean, fine, depth, lo, size, base, refine, stride = profile.nested_arrays()
-        states, words, word_start = nested.encode(x[:, sinks:], mean, fine, depth, lo, size,
-                                                  base, refine, stride, profile.freqs)  # fmt: skip
+        states, words, word_start = nested.encode(body, mean, fine, depth, lo, size, base,
+                                                  refine, stride, profile.freqs)  # fmt: skip
         sink = x[:, :sinks].astype("<f2")
         out = []
         for r in range(len(spec.tiers)):
@@ -96,7 +104,7 @@ class NestedCodec(Codec):
         self, header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
         profile: CodecProfile | None, name: str,
     ) -> None:  # fmt: skip
-        _streams(header, sections, part, profile, name)
+        _streams(header, sections, part, profile, name, self.transformed)
 
     def decode_sections(
         self, header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
@@ -107,8 +115,9 @@ class NestedCodec(Codec):
         from kvcdn.kernels import nested
         from kvcdn.kernels.rans import RansError
 
-        st = _streams(header, sections, part, profile, name)
+        st = _streams(header, sections, part, profile, name, self.transformed)
         assert profile is not None
+        transform = profile.nested.transform if profile.nested is not None else None
         lp, hp = part.layer_count, part.head_count
         tokens, dim = header.shape[3], header.shape[4]
         groups, s = lp * 2 * hp, st.sinks
@@ -122,15 +131,18 @@ class NestedCodec(Codec):
         tables = (profile.decode_tables(), profile.table_starts(), mean, fine, depth, lo, base,
                   refine, stride)  # fmt: skip
         on_gpu = isinstance(dest, TensorDest) and dest.tensor.device.type == "cuda"
-        if on_gpu and triton_available():  # decoded on the device, into the tensor
+        if on_gpu and triton_available() and (transform is None or transform_gpu(dim)):
             from kvcdn.kernels import nested_triton
 
             assert isinstance(dest, TensorDest)
             t = dest.tensor
-            try:  # the tensor itself where its groups are one dimension, else staged there
-                whole = t.view(groups, tokens, dim)
-            except RuntimeError:
-                whole = torch.empty((groups, tokens, dim), dtype=t.dtype, device=t.device)
+            if transform is not None:  # the coefficients, float32, apart from the values
+                whole = torch.empty((groups, tokens, dim), dtype=torch.float32, device=t.device)
+            else:  # the tensor itself where its groups are one dimension, else staged there
+                try:
+                    whole = t.view(groups, tokens, dim)
+                except RuntimeError:
+                    whole = torch.empty((groups, tokens, dim), dtype=t.dtype, device=t.device)
             # the tables stay on the device, with the profile, for the next chunk
             key = ("nested-triton", st.k, st.gids.tobytes(), str(t.device))
             lut = device_decode_tables(profile, t.device)  # one copy for every key
@@ -141,7 +153,11 @@ class NestedCodec(Codec):
                                           whole[:, s:])  # fmt: skip
             except RansError as exc:
                 raise FormatError(f"{name}: {exc}") from None
-            if whole.data_ptr() != t.data_ptr():
+            if transform is not None:
+                values = _values_on_device(profile, transform, st, header.shape[2],
+                                           whole[:, s:])  # fmt: skip
+                dest.window(s, tokens).write(values.view(lp, 2, hp, tokens - s, dim))
+            elif whole.data_ptr() != t.data_ptr():
                 dest.window(s, tokens).write(whole.view(lp, 2, hp, tokens, dim)[:, :, :, s:])
             return
         body = dest.float32_array() if isinstance(dest, TensorDest) else None
@@ -150,9 +166,40 @@ class NestedCodec(Codec):
             nested.decode(st.k, st.words, st.wbeg, st.wend, st.states, *tables, staged[:, s:])
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
+        if transform is not None:  # the coefficients' values, in place
+            transform.values_into(staged[:, s:], st.gids, header.shape[2], st.start + s,
+                                  staged[:, s:])  # fmt: skip
         if body is None:
             view = torch.from_numpy(staged).view(lp, 2, hp, tokens, dim)
             dest.window(s, tokens).write(view[:, :, :, s:])
+
+
+def transform_gpu(dim: int) -> bool:
+    """Whether the Triton inverse of the transform takes heads of ``dim`` channels (else
+    a transformed ladder's GPU destination is decoded on the CPU and copied)."""
+    from kvcdn.kernels import transform_triton
+
+    return transform_triton.supports(dim)
+
+
+def _values_on_device(profile: CodecProfile, transform: NestedTransform, st: _Streams,
+                      heads: int, coefficients: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The values (float32, a new tensor) of a part's decoded coefficients on the device,
+    with the part's matrices kept there with the profile."""
+    import torch
+
+    from kvcdn.kernels import transform_triton
+
+    dev = coefficients.device
+    key = ("nested-transform", st.gids.tobytes(), str(dev))
+    mt, rotate = profile.derived(key, lambda: (
+        torch.from_numpy(np.ascontiguousarray(transform.transposed()[st.gids])).to(dev),
+        torch.from_numpy(transform.rotate(st.gids, heads).astype(np.int32)).to(dev)))  # fmt: skip
+    cos, sin = transform.rope_tables(st.start + st.sinks, coefficients.shape[1])
+    values = torch.empty_like(coefficients)
+    transform_triton.synthesise(coefficients, mt, rotate, torch.from_numpy(cos).to(dev),
+                                torch.from_numpy(sin).to(dev), values)  # fmt: skip
+    return values
 
 
 @dataclass(frozen=True)
@@ -168,11 +215,34 @@ class _Streams:
     wbeg: np.ndarray  # [k + 1, groups]: where each group's stream of each tier begins
     wend: np.ndarray  # [k + 1, groups]: and ends
     gids: np.ndarray  # the groups' ids in the whole chunk
+    start: int  # the chunk's first token's position (transformed ladders; else 0)
 
 
-def _spec(profile: CodecProfile | None, params: dict[str, Any], what: str) -> Any:
+class NestedKltCodec(NestedCodec):
+    """``kvcdn-nested-klt-v1``: the nested ladder of a profile with a transform
+    (:class:`~kvcdn.codec_profile.NestedTransform`): each head's streams are
+    coefficients, and the header's params also give the chunk's first position
+    (``start``), where the keys' rotary embedding was taken back. Its own id, so that
+    a reader that does not know the transform refuses the object rather than decode
+    coefficients as channels."""
+
+    id: ClassVar[str] = "kvcdn-nested-klt-v1"
+    transformed: ClassVar[bool] = True
+
+    def object_params(self, params: dict[str, Any], start: int) -> dict[str, Any]:
+        return {**params, "start": int(start)}
+
+
+#: A chunk's first position, at most (a transformed object's ``start``).
+MAX_START = 1 << 31
+
+
+def _spec(profile: CodecProfile | None, params: dict[str, Any], what: str,
+          transformed: bool) -> Any:  # fmt: skip
     if profile is None or profile.nested is None:
         raise InputError(f"{what} need a codec profile with a nested ladder")
+    if (profile.nested.transform is not None) != transformed:
+        raise InputError(f"{what} were named for a codec the codec profile does not use")
     if params.get("profile") != profile.sha256 or params.get("tiers") != list(
         profile.nested.tiers
     ):
@@ -182,7 +252,7 @@ def _spec(profile: CodecProfile | None, params: dict[str, Any], what: str) -> An
 
 def _streams(
     header: ChunkHeader, sections: Mapping[int, memoryview], part: Part,
-    profile: CodecProfile | None, name: str,
+    profile: CodecProfile | None, name: str, transformed: bool,
 ) -> _Streams:  # fmt: skip
     """Every length of the part's sections checked against the header and the profile
     (all sections at once: a part of a 70B chunk has thousands), then their streams
@@ -196,6 +266,11 @@ def _streams(
         raise FormatError(f"{name} was encoded with another codec profile than the one given")
     if header.params.get("tiers") != list(spec.tiers) or header.level != OBJECT_LEVEL:
         raise FormatError(f"{name}: its tiers are not the codec profile's nested ladder")
+    if (spec.transform is not None) != transformed:
+        raise FormatError(f"{name}: its codec {header.codec} is not the codec profile's")
+    start = header.params.get("start") if transformed else 0
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < MAX_START:
+        raise FormatError(f"{name}: its first position {start!r} is not one")
     layers, two, heads, tokens, dim = header.shape
     lay = profile.layout
     if (layers, heads, dim) != (lay.layers, lay.kv_heads, lay.head_dim):
@@ -245,4 +320,5 @@ def _streams(
     sink = words[sink_at[:, None] + np.arange(sinks * dim)].view("<f2")
     gids = ((part.layers[0] + layer) * 2 + kv) * heads + part.heads[0] + head
     sink = sink.reshape(len(gids), sinks, dim)
-    return _Streams(count - 1, sinks, sink, states, words, wbeg, wend, gids.astype(np.int64))
+    return _Streams(count - 1, sinks, sink, states, words, wbeg, wend, gids.astype(np.int64),
+                    start)  # fmt: skip

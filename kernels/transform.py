@@ -1,0 +1,113 @@
+"""The nested codec's transform: each head's channels turned into coefficients that are
+cheaper to code, and back (``docs/format.md``, "The transform").
+
+A group (layer, K/V, head) holds values ``x [T, D]``. Its coefficients are
+``y = A u`` where ``u`` is ``x`` with keys' rotary embedding taken back (position
+``p``: each pair ``(i, i + D/2)`` turned by ``-p * inv_freq[i]``) and ``A`` the
+inverse of the group's synthesis matrix ``M``. The encoder's side (:func:`analyse`)
+is float64 and need not agree with anyone; the decoder's (:func:`synthesise`) is
+specified to the bit, so that every decoder (this numba kernel, the Triton one, the
+numpy reference) writes the same float32 values:
+
+* ``z[d] = (((0 + M[d, 0] y[0]) + M[d, 1] y[1]) + ...) + M[d, D-1] y[D-1]``, every
+  product and every sum rounded to float32 (no fused multiply-add);
+* for keys with rotary frequencies, ``c = float32(cos(p f_i))``, ``s = float32(sin(p
+  f_i))`` (``p f_i`` in float64, from :func:`rope_tables`, which every decoder takes
+  from the host), and ``x[i] = c z[i] - s z[i + D/2]``, ``x[i + D/2] = s z[i] + c z[i
+  + D/2]``, each product rounded, then the sum; values and other groups: ``x = z``.
+
+The kernels take the synthesis matrices transposed (``mt[g, j, d] = M[g, d, j]``), so
+that the inner loop runs over adjacent outputs and vectorises without reordering any
+sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import parallel
+
+
+def rope_tables(inv_freq: np.ndarray, first: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """``cos`` and ``sin`` ``[tokens, D/2]`` (float32) of positions ``first, first + 1,
+    ...``: the angle ``p * inv_freq[i]`` in float64, its cosine and sine rounded once."""
+    positions = np.arange(first, first + tokens, dtype=np.float64)
+    angle = positions[:, None] * np.asarray(inv_freq, dtype=np.float64)[None, :]
+    return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+
+
+def analyse(x: np.ndarray, analysis: np.ndarray, rotate: np.ndarray, cos: np.ndarray,
+            sin: np.ndarray) -> np.ndarray:  # fmt: skip
+    """The coefficients ``[G, T, D]`` (float32) of values ``x [G, T, D]``: keys of the
+    groups where ``rotate`` turned back by ``cos``/``sin`` (``[T, D/2]``), then each
+    group's ``analysis [G, D, D]`` (float64, the synthesis matrices' inverses)."""
+    u = np.asarray(x, dtype=np.float64).copy()
+    half = u.shape[-1] // 2
+    if np.any(rotate):
+        c, s = cos.astype(np.float64), sin.astype(np.float64)
+        k = u[rotate]
+        a, b = k[..., :half].copy(), k[..., half:].copy()
+        k[..., :half] = c * a + s * b
+        k[..., half:] = c * b - s * a
+        u[rotate] = k
+    return np.einsum("gde,gte->gtd", analysis, u).astype(np.float32)
+
+
+def synthesise(y: np.ndarray, mt: np.ndarray, rotate: np.ndarray, cos: np.ndarray,
+               sin: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
+    """Values ``out [G, T, D]`` (float32) of coefficients ``y [G, T, D]``, to the bit as
+    the module specifies; ``mt [G, D, D]`` the synthesis matrices transposed,
+    ``rotate [G]`` the groups whose rotary embedding is put back with ``cos``/``sin``
+    ``[T, D/2]``. ``out`` may be ``y`` itself (each token is read whole before its
+    values are written)."""
+    G, T, D = y.shape
+    if out.shape != y.shape or mt.shape != (G, D, D) or rotate.shape != (G,) or D % 2:
+        raise ValueError("the coefficients, matrices and output do not fit together")
+    if np.any(rotate) and (cos.shape != (T, D // 2) or sin.shape != (T, D // 2)):
+        raise ValueError("the rotary tables do not fit the tokens")
+    parallel.run(_synthesise, G, y, np.ascontiguousarray(mt, dtype=np.float32),
+                 np.ascontiguousarray(rotate, dtype=np.bool_),
+                 np.ascontiguousarray(cos, dtype=np.float32).reshape(-1, D // 2),
+                 np.ascontiguousarray(sin, dtype=np.float32).reshape(-1, D // 2), out)  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _synthesise(start, end, y, mt, rotate, cos, sin, out):  # pragma: no cover - jitted
+    G, T, D = y.shape
+    half = D // 2
+    acc = np.empty(D, dtype=np.float32)
+    for g in range(start, end):
+        m = mt[g]
+        for t in range(T):
+            for d in range(D):
+                acc[d] = np.float32(0.0)
+            for j in range(D):
+                v = y[g, t, j]
+                for d in range(D):
+                    acc[d] = acc[d] + m[j, d] * v
+            if rotate[g]:
+                for i in range(half):
+                    c, s = cos[t, i], sin[t, i]
+                    a, b = acc[i], acc[i + half]
+                    out[g, t, i] = c * a - s * b
+                    out[g, t, i + half] = s * a + c * b
+            else:
+                for d in range(D):
+                    out[g, t, d] = acc[d]
+
+
+def synthesise_reference(y: np.ndarray, mt: np.ndarray, rotate: np.ndarray, cos: np.ndarray,
+                         sin: np.ndarray) -> np.ndarray:  # fmt: skip
+    """:func:`synthesise` in numpy, step by step as specified (for tests)."""
+    G, T, D = y.shape
+    half = D // 2
+    acc = np.zeros((G, T, D), dtype=np.float32)
+    for j in range(D):
+        acc = acc + mt[:, None, j, :] * y[:, :, j, None]
+    out = acc.copy()
+    if np.any(rotate):
+        a, b = acc[rotate][..., :half], acc[rotate][..., half:]
+        turned = np.concatenate([cos * a - sin * b, sin * a + cos * b], axis=-1)
+        out[rotate] = turned
+    return out
