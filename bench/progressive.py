@@ -2,7 +2,7 @@
 
     python bench/progressive.py [--docs FILE ...] [--context-tokens 2048] [--design]
                                 [--base-bits 1.4] [--contexts] [--transforms]
-                                [--json OUT.json]
+                                [--klt | --profile FILE] [--json OUT.json]
 
 On documents that are not calibration texts (bash(1) from character 60,000, curl(1),
 grep(1), and a seed text where it exists, as ``bench/codec.py``), every level of both
@@ -49,6 +49,13 @@ step, its KL and perplexity measured on the held-out documents and its bits code
 with tables from the calibration texts, then compared at the held-out KL of today's
 ``default`` and ``low`` (the real objects' in the same run, else 2026-11-28's).
 
+``--klt`` measures the real objects of a profile whose nested ladder codes each
+head's KLT coefficients (``kvcdn-nested-klt-v1``, keys taken back before RoPE),
+calibrated in the run on the bundled texts (``--profile FILE``: one made before, e.g.
+by ``kvcdn calibrate --transform --out FILE``); its independent levels are the same as
+the model's own profile's (the ladder is calibrated the same way), so the table
+compares the transformed nested ladder with today's independent levels.
+
 Writes a table and ``bench/results/progressive.json`` (or ``--json``).
 """
 
@@ -90,6 +97,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--transforms", action="store_true",
                    help="also measure transforms before quantisation (keys before RoPE, a KLT "
                         "per head) at the same KL")
+    p.add_argument("--klt", action="store_true",
+                   help="the real objects of a profile whose nested ladder codes KLT "
+                        "coefficients (`kvcdn calibrate --transform`), calibrated now on the "
+                        "bundled texts (minutes), or read from --profile")
+    p.add_argument("--profile", type=Path, metavar="FILE",
+                   help="use this codec profile file (e.g. `kvcdn calibrate --transform "
+                        "--out FILE`) instead of the model's own")
     p.add_argument("--no-real", action="store_true",
                    help="skip the real objects (with --design, --contexts or --transforms)")
     p.add_argument("--json", type=Path, default=RESULTS / "progressive.json")
@@ -108,7 +122,9 @@ def main() -> int:
     started = time.perf_counter()
     console = Console(width=int(os.environ.get("COLUMNS", 140)))
     model = load_model(args.model)
-    profile, _ = ensure_profile(open_store("memory://progressive-bench"), model)
+    profile = _profile(args, model)
+    if profile is None:
+        profile, _ = ensure_profile(open_store("memory://progressive-bench"), model)
     if profile.nested is None:
         warn("the codec profile has no nested ladder (calibrated by an older kvcdn)")
         return 1
@@ -124,7 +140,9 @@ def main() -> int:
     if not samples:
         warn("no document was long enough")
         return 1
-    out: dict[str, Any] = {"model": model.name, "context_tokens": args.context_tokens}
+    out: dict[str, Any] = {"model": model.name, "context_tokens": args.context_tokens,
+                           "profile": profile.sha256,
+                           "transform": profile.nested.transform is not None}  # fmt: skip
     if not args.no_real:
         out["real"] = real_objects(console, model, profile, samples)
     if args.contexts:
@@ -139,6 +157,26 @@ def main() -> int:
     args.json.write_text(json.dumps(out, indent=2) + "\n")
     log(f"wrote {args.json} in {out['seconds']:.0f} s")
     return 0
+
+
+def _profile(args: argparse.Namespace, model: Any) -> Any:
+    """The profile of ``--profile``, else with ``--klt`` one calibrated now with the
+    transform, else None (the model's own)."""
+    from kvcdn.calibrate import calibrate
+    from kvcdn.codec_profile import parse_profile
+
+    if args.profile is not None:
+        profile = parse_profile(args.profile.read_bytes(), name=str(args.profile))
+        profile.check_model(model.fingerprint, str(args.profile))
+        if args.klt and (profile.nested is None or profile.nested.transform is None):
+            raise SystemExit(f"{args.profile} has no nested transform")
+        return profile
+    if not args.klt:
+        return None
+    started = time.perf_counter()
+    profile = calibrate(model, transform=True)
+    log(f"calibrated a transformed profile in {time.perf_counter() - started:.0f} s")
+    return profile
 
 
 def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tuple[str, Any]]
