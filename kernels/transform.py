@@ -1,5 +1,5 @@
 """The nested codec's transform: each head's channels turned into coefficients that are
-cheaper to code, and back (``docs/format.md``, "The transform").
+cheaper to code, and back (``docs/format.md``, "The transformed nested ladder").
 
 A group (layer, K/V, head) holds values ``x [T, D]``. Its coefficients are
 ``y = A u`` where ``u`` is ``x`` with keys' rotary embedding taken back (position

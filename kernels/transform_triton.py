@@ -34,10 +34,10 @@ def supports(dim: int) -> bool:
 def synthesise(y: torch.Tensor, mt: torch.Tensor, rotate: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, out: torch.Tensor) -> None:  # fmt: skip
     """Values ``out [G, T, D]`` (float32) of coefficients ``y [G, T, D]`` (float32, any
-    strides; ``out`` apart from ``y``: a program's warps may still read a token's
-    coefficients while another writes its values), with ``mt [G, D, D]`` the synthesis matrices
-    transposed, ``rotate [G]`` (int32) the groups turned by ``cos``/``sin`` ``[T,
-    D/2]``, every tensor float32 on one device."""
+    strides), with ``mt [G, D, D]`` the synthesis matrices transposed, ``rotate [G]``
+    (int32) the groups turned by ``cos``/``sin`` ``[T, D/2]``, every tensor float32 on
+    one device. ``out`` must not overlap ``y``: a program's warps may still read a
+    token's coefficients while another writes its values."""
     if triton is None:
         raise RuntimeError("kvcdn.kernels.transform_triton needs triton")
     G, T, D = y.shape

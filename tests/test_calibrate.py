@@ -83,8 +83,9 @@ def test_the_embedded_model_reaches_every_target(sed_profile):
 
 def test_a_transform_meets_the_same_targets_with_fewer_bits(model, sed_profile):
     """The nested ladder of the KLT coefficients (keys before RoPE, docs/levels.md) on
-    the same text: every tier within its target, real objects each smaller than the
-    channels' tier of the same name from `default` up, and a profile that parses."""
+    the same text: every tier within its target, real objects smaller than the
+    channels' tier of the same name (`low` to `high` by a tenth or more), and a
+    profile that parses."""
     from kvcdn.codec_profile import NESTED_TIERS, parse_profile
 
     profile = cal.calibrate(model, {"sed": SED_MANUAL.read_text()[:6000]}, context_tokens=512,
