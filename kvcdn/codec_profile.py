@@ -159,7 +159,11 @@ class NestedTransform:
         from kvcdn.kernels.transform import synthesise
 
         cos, sin = self.rope_tables(first, y.shape[1])
-        synthesise(y, self.transposed()[gids], self.rotate(gids, heads), cos, sin, out)
+        g = np.asarray(gids)
+        # a whole chunk's or a rank's groups are consecutive: a view, not a copy of their
+        # matrices for every chunk
+        rows = slice(int(g[0]), int(g[-1]) + 1) if len(g) and g[-1] - g[0] + 1 == len(g) else g
+        synthesise(y, self.transposed()[rows], self.rotate(g, heads), cos, sin, out)
 
 
 @dataclass
