@@ -502,7 +502,8 @@ _warmed: set[tuple[str, str]] = set()
 def warm_up(device: str = "cpu", dtype: Any = None, dim: int = 64) -> None:
     """Load the decode kernels a load on ``device`` uses into this process, so that
     the first chunk decoded does not pay for it: the CPU kernels (about 0.3 s, from
-    numba's cache, and the casts of :mod:`kvcdn.kernels.cast`) and, on a CUDA device,
+    numba's cache: the rANS decoders, the transformed ladder's inverse, and the casts
+    of :mod:`kvcdn.kernels.cast`) and, on a CUDA device,
     the Triton decoders (independent and nested, about 0.5 s each) for ``dtype``
     outputs of ``dim`` channels. Once per process, device and dtype."""
     import torch
@@ -513,10 +514,11 @@ def warm_up(device: str = "cpu", dtype: Any = None, dim: int = 64) -> None:
         if ("cpu", "") not in _warmed:
             import kvcdn.kernels.cast  # noqa: F401 (its kernels are loaded as it is imported)
             from kvcdn.kernels import nested as nested_kernels
-            from kvcdn.kernels import rans_numba
+            from kvcdn.kernels import rans_numba, transform
 
             rans_numba.warm_up()
             nested_kernels.warm_up()
+            transform.warm_up()
             _warmed.add(("cpu", ""))  # the compiled kernels are the process's
         if key[0] == "cuda" and key not in _warmed and rans.triton_available():
             from kvcdn.kernels import nested_triton, rans_triton

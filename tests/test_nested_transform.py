@@ -259,6 +259,51 @@ def test_a_publication_with_a_transform_loads_what_its_objects_decode_to(
             assert torch.equal(got, want.to(got.dtype))
 
 
+_DECODE_AFTER_WARM_UP = """
+import sys
+import torch
+from kvcdn.codec import decode_chunk, decode_into, warm_up
+from kvcdn.codec_profile import parse_profile
+from kvcdn.codecs import TensorDest
+from kvcdn.container import Part
+from kvcdn.kernels import transform
+
+warm_up()  # what an sdk.Client starts in the background
+warmed = {str(s) for s in transform._synthesise.signatures}
+profile = parse_profile(open(sys.argv[1], "rb").read())
+for path in sys.argv[2:]:
+    data = open(path, "rb").read()
+    _, whole = decode_chunk(data, profile=profile)
+    decode_into(data, TensorDest(torch.empty(whole.shape, dtype=torch.float16)),
+                profile=profile, part=Part.whole(30, 3, 4))
+    wide = torch.zeros(30, 2, 3, 300, 64)
+    decode_into(data, TensorDest(wide[:, :, :, 20:276]), profile=profile, part=Part.whole(30, 3, 4))
+    decode_into(data, TensorDest(torch.empty(30, 2, 2, 256, 64)), profile=profile,
+                part=Part((0, 30), (1, 3), 4))
+print(sorted({str(s) for s in transform._synthesise.signatures} - warmed))
+"""
+
+
+def test_the_warm_up_loads_every_inverse_a_decode_runs(klt, doc_kv, tmp_path) -> None:
+    """A fresh process's warm-up (kvcdn.codec.warm_up, which an sdk.Client runs in the
+    background) loads the inverse in every array layout its decodes then run: the
+    first chunk (a window after its sinks), a later one (whole), into float32,
+    float16, a window of a wider tensor and a rank's heads. Without it, a machine's
+    first transformed decode compiled the kernel for 1.7 s."""
+    (tmp_path / "profile").write_bytes(klt.to_bytes())
+    objects = []
+    for start in (0, 256):
+        chunk = doc_kv[:, :, :, start : start + 256].contiguous()
+        path = tmp_path / f"chunk{start}"
+        path.write_bytes(encode_chunk(nested_level("default", klt), chunk, HASH, profile=klt,
+                                      start=start))  # fmt: skip
+        objects.append(str(path))
+    done = subprocess.run([sys.executable, "-c", _DECODE_AFTER_WARM_UP, str(tmp_path / "profile"),
+                           *objects], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", f"compiled after the warm-up: {done.stdout}"
+
+
 # ---- the Triton inverse: in the interpreter (a child process), and on a GPU when lent ----
 
 
