@@ -162,7 +162,8 @@ class NestedTransform:
         g = np.asarray(gids)
         # a whole chunk's or a rank's groups are consecutive: a view, not a copy of their
         # matrices for every chunk
-        rows = slice(int(g[0]), int(g[-1]) + 1) if len(g) and g[-1] - g[0] + 1 == len(g) else g
+        consecutive = len(g) > 0 and np.array_equal(g, np.arange(g[0], g[0] + len(g)))
+        rows = slice(int(g[0]), int(g[0]) + len(g)) if consecutive else g
         synthesise(y, self.transposed()[rows], self.rotate(g, heads), cos, sin, out)
 
 

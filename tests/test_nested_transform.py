@@ -158,6 +158,22 @@ def test_a_rank_s_part_decodes_as_the_whole_does(klt, doc_kv) -> None:
         assert torch.equal(out, expected), (layers, heads)
 
 
+def test_values_of_groups_in_any_order_use_each_group_s_own_matrix(klt) -> None:
+    """values_into takes a view of the matrices of consecutive groups; groups spanning
+    the same range in another order get each its own matrix, as the reference does."""
+    transform = klt.nested.transform
+    rng = np.random.default_rng(5)
+    y = rng.standard_normal((4, 7, 64)).astype(np.float32)
+    cos, sin = transform.rope_tables(100, 7)
+    for gids in ([8, 9, 10, 11], [8, 10, 9, 11], [11, 10, 9, 8]):
+        g = np.array(gids)
+        out = np.empty_like(y)
+        transform.values_into(y, g, 3, 100, out)
+        want = tf.synthesise_reference(y, transform.transposed()[g], transform.rotate(g, 3),
+                                       cos, sin)  # fmt: skip
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), gids
+
+
 def test_objects_and_profiles_that_do_not_fit_are_refused(klt, profile, doc_kv) -> None:
     chunk = doc_kv[:, :, :, 256:512].contiguous()
     data = encode_chunk(nested_level("default", klt), chunk, HASH, profile=klt, start=256)
