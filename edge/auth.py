@@ -47,6 +47,15 @@ class Access:
             )
         _require_bearer(request, self.admin_token)
 
+    def reads_plainly(self, authorization: str | None) -> bool:
+        """Whether a read with this ``Authorization`` header (None: none) passes on
+        that header alone: an open edge, or the read token. (With S3 keys and no
+        token, only :meth:`check_read` can tell.)"""
+        if self.read_token is None:
+            return self.s3_keys is None
+        given = (authorization or "").encode()
+        return hmac.compare_digest(given, f"Bearer {self.read_token}".encode())
+
     def check_read(self, request: web.Request) -> None:
         """Any read (a store key, an S3 path, a listing): the bearer token, or with S3 keys
         an AWS Signature V4 by one of them; open when the edge has neither.

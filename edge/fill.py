@@ -27,7 +27,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import BinaryIO, Generic, TypeVar
+from typing import BinaryIO, Generic, NamedTuple, TypeVar
 
 from kvcdn.keys import KeyInfo
 from kvcdn.manifest import format_expiry
@@ -134,6 +134,14 @@ class Found:
             self.file = None
         if self.sent is not None:
             self.take_sent()()  # type: ignore[misc]
+
+
+class CachedFile(NamedTuple):
+    """A verified cached copy, open: the caller closes ``fd``."""
+
+    etag: str
+    size: int
+    fd: int
 
 
 class Filled:
@@ -273,6 +281,29 @@ class Filler:
                 self.metrics.hits += 1
                 return found
         return await self._miss(key, info)
+
+    def cached(self, key: str, info: KeyInfo) -> CachedFile | None:
+        """``key``'s cached copy, opened, when it can be sent at once: an immutable
+        object whose file is as it was when last verified. None otherwise (not
+        cached, not yet verified in this run, a pointer, a file that vanished): then
+        :meth:`object` decides, waiting for what it must."""
+        if revalidated(info, self.trust):
+            return None
+        entry = self.cache.lookup(key) or self.cache.load(key)
+        if entry is None or entry.verified is None:
+            return None
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            stamp = stamp_of(os.fstat(fd))
+        except OSError:
+            stamp = None
+        if stamp != entry.verified:
+            os.close(fd)
+            return None
+        return CachedFile(entry.etag, stamp[1], fd)
 
     async def ensure(self, key: str) -> tuple[str, int]:
         """Make ``key`` cached: ("cached", 0) if it was, else ("fetched", its size)."""

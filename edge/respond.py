@@ -9,6 +9,7 @@ import asyncio
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from aiohttp import web
@@ -20,6 +21,62 @@ from .s3api import error_xml
 from .shaping import PIECE, LinkShaper
 
 _RANGE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")  # 19 digits: any real offset
+
+
+@dataclass
+class Reply:
+    """What a GET or HEAD of an object is answered, decided from its ETag and size and
+    the request's conditional and range headers alone: one decision for the aiohttp
+    path and the hit path (:mod:`.hits`). ``error`` (an S3 code and a message) is set
+    for 412 and 416, whose bodies each path renders its own way."""
+
+    status: int
+    headers: dict[str, str]
+    content_type: str
+    start: int  # the body: bytes [start, start + count) of the object
+    count: int
+    error: tuple[str, str] | None = None
+
+
+def reply_for(
+    header: Callable[[str], str | None],
+    key: str,
+    etag: str,
+    size: int,
+    *,
+    cache_control: str,
+    stale: bool = False,
+    age_s: float = 0.0,
+) -> Reply:
+    """The answer to a request whose headers ``header(name)`` gives (None: absent) for
+    the object ``key`` of ``size`` bytes: 200, 206, 304, 412 or 416."""
+    headers = {
+        "ETag": etag,
+        "Cache-Control": cache_control,
+        "Accept-Ranges": "bytes",
+    }
+    if stale:  # RFC 9111's stale-if-error: the origin is down
+        headers["Warning"] = '110 - "Response is Stale"'
+        headers["Age"] = str(int(age_s))
+    content_type = "application/json" if key.endswith(".json") else "application/octet-stream"
+    if_match = header("If-Match")
+    if if_match is not None and not matches(if_match, etag):
+        return Reply(412, headers, content_type, 0, 0,
+                     ("PreconditionFailed", "the object's ETag differs"))  # fmt: skip
+    if matches(header("If-None-Match"), etag):
+        return Reply(304, headers, content_type, 0, 0)
+    status, start, end = 200, 0, size - 1
+    spec, if_range = header("Range"), header("If-Range")
+    if spec is not None and (if_range is None or matches(if_range, etag)):
+        span = parse_range(spec, size)
+        if span == "unsatisfiable":
+            headers["Content-Range"] = f"bytes */{size}"
+            return Reply(416, headers, content_type, 0, 0,
+                         ("InvalidRange", "the range is not satisfiable"))  # fmt: skip
+        if isinstance(span, tuple) and span != (0, size - 1):
+            status, (start, end) = 206, span
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    return Reply(status, headers, content_type, start, end + 1 - start)
 
 
 def answer(
@@ -34,57 +91,33 @@ def answer(
 ) -> web.StreamResponse:
     """The response to a GET or HEAD of ``found``: 200, 206, 304, 412 or 416; S3's
     error documents when ``s3``. ``found``'s file, if any, is taken by the body."""
-    tag, size = found.etag, found.size
-    headers = {
-        "ETag": tag,
-        "Cache-Control": cache_control,
-        "Accept-Ranges": "bytes",
-    }
-    if found.stale:  # RFC 9111's stale-if-error: the origin is down
-        headers["Warning"] = '110 - "Response is Stale"'
-        headers["Age"] = str(int(found.age_s))
-    if_match = request.headers.get("If-Match")
-    if if_match is not None and not matches(if_match, tag):
+    reply = reply_for(request.headers.get, key, found.etag, found.size, cache_control=cache_control,
+                      stale=found.stale, age_s=found.age_s)  # fmt: skip
+    status, headers, content_type = reply.status, reply.headers, reply.content_type
+    if reply.error is not None:
         if s3:
-            return s3_error(412, "PreconditionFailed", "the object's ETag differs", key)
-        return web.Response(status=412, headers=headers, text="If-Match does not match\n")
-    if matches(request.headers.get("If-None-Match"), tag):
+            return s3_error(status, *reply.error, key)
+        text = "If-Match does not match\n" if status == 412 else None
+        return web.Response(status=status, headers=headers, text=text)
+    if status == 304:
         return web.Response(status=304, headers=headers)
-    content_type = "application/json" if key.endswith(".json") else "application/octet-stream"
-    status, start, end = 200, 0, size - 1
-    spec = request.headers.get("Range")
-    if spec is not None and matches(request.headers.get("If-Range", tag), tag):
-        span = parse_range(spec, size)
-        if span == "unsatisfiable":
-            headers["Content-Range"] = f"bytes */{size}"
-            if s3:
-                return s3_error(416, "InvalidRange", "the range is not satisfiable", key)
-            return web.Response(status=416, headers=headers)
-        if isinstance(span, tuple) and span != (0, size - 1):
-            status, (start, end) = 206, span
-            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    start, count = reply.start, reply.count
     if request.method != "HEAD":
-        metrics.bytes_served += end + 1 - start
+        metrics.bytes_served += count
     if shaper is not None and request.method != "HEAD":
         if found.file is not None:
-            return ShapedBody(
-                shaper, status, headers, content_type, start, end + 1 - start,
-                file=found.take_file(),
-            )  # fmt: skip
-        return ShapedBody(
-            shaper, status, headers, content_type, start, end + 1 - start,
-            data=found.data, sent=found.take_sent(),
-        )  # fmt: skip
+            return ShapedBody(shaper, status, headers, content_type, start, count,
+                              file=found.take_file())  # fmt: skip
+        return ShapedBody(shaper, status, headers, content_type, start, count,
+                          data=found.data, sent=found.take_sent())  # fmt: skip
     if found.file is not None:
-        return FileBody(found.take_file(), start, end + 1 - start, status, headers, content_type)
+        return FileBody(found.take_file(), start, count, status, headers, content_type)
     if found.sent is not None and request.method != "HEAD":
         # a spool's bytes held in memory: sent a piece at a time as the client reads
         # (the transport buffers a piece, not the object), let go once sent
-        return ShapedBody(
-            None, status, headers, content_type, start, end + 1 - start,
-            data=found.data, sent=found.take_sent(),
-        )  # fmt: skip
-    body = found.data if (start, end) == (0, size - 1) else found.data[start : end + 1]
+        return ShapedBody(None, status, headers, content_type, start, count,
+                          data=found.data, sent=found.take_sent())  # fmt: skip
+    body = found.data if count == found.size else found.data[start : start + count]
     return web.Response(status=status, body=body, headers=headers, content_type=content_type)
 
 
@@ -124,7 +157,7 @@ class FileBody(web.StreamResponse):
                     # usually the whole body. asyncio's sendfile stops and restarts
                     # reading and watches for writability around each call, which
                     # costs a hit more CPU than the copy itself.
-                    sent = _sendfile_now(sock.fileno(), self._file.fileno(), offset, count)
+                    sent = sendfile_now(sock.fileno(), self._file.fileno(), offset, count)
                     offset, count = offset + sent, count - sent
                 try:
                     if count:
@@ -142,7 +175,7 @@ class FileBody(web.StreamResponse):
             self._file.close()
 
 
-def _sendfile_now(out_fd: int, in_fd: int, offset: int, count: int) -> int:
+def sendfile_now(out_fd: int, in_fd: int, offset: int, count: int) -> int:
     """Bytes of ``in_fd`` from ``offset`` sent to the non-blocking socket ``out_fd`` until
     it would block (or fails: what is left is sent by asyncio, which raises the error)."""
     sent = 0

@@ -34,9 +34,10 @@ from .admin import MAX_BODY, Admin
 from .auth import Access
 from .cache import DiskCache
 from .fill import MAX_STALE_S, POINTER_TTL_S, FetchError, Filler
+from .hits import Head, Hit, handler_factory
 from .metrics import Metrics
 from .origin import Origin
-from .respond import answer, s3_error
+from .respond import answer, reply_for, s3_error
 from .s3api import (
     ERROR_CODES,
     BucketView,
@@ -188,6 +189,30 @@ class Edge:
         except web.HTTPUnauthorized as exc:  # S3 clients expect an S3 error document
             return s3_error(403, "AccessDenied", exc.text or "", path)
 
+    def hit(self, head: Head) -> Hit | None:
+        """A request the edge answers at once from a verified cached file (200, 206 or
+        304: :mod:`.hits`), counted as :meth:`serve` counts it; None when
+        :meth:`serve` must decide (a miss, a pointer, a refusal, an error status...)."""
+        if self.shaper is not None or not self.access.reads_plainly(head.header("Authorization")):
+            return None
+        key = head.path[1:]
+        info = check_key(key)
+        if info is None:
+            return None
+        copy = self.fill.cached(key, info)
+        if copy is None:
+            return None
+        control = cache_control(info, self.trust, self.fill.pointer_ttl_s)
+        reply = reply_for(head.header, key, copy.etag, copy.size, cache_control=control)
+        if reply.error is not None:  # 412, 416: aiohttp's, as their bodies are
+            os.close(copy.fd)
+            return None
+        self.metrics.hits += 1
+        self.metrics.count_response(reply.status)
+        if head.method != "HEAD" and reply.status != 304:
+            self.metrics.bytes_served += reply.count
+        return Hit(reply, copy.fd)
+
     async def _s3(self, request: web.Request, path: str) -> web.StreamResponse:
         bucket, _, s3_key = path.partition("/")
         if bucket != self.view.bucket:
@@ -304,7 +329,7 @@ async def _serve(edge: Edge, host: str, port: int, idle_timeout_s: float, limit:
     loop = asyncio.get_running_loop()
     _on_stop_signals(loop, stop.set)
     try:
-        await _LimitedSite(runner, host, port, limit, reuse_port=reuse_port).start()
+        await _LimitedSite(runner, host, port, limit, reuse_port=reuse_port, hit=edge.hit).start()
         await stop.wait()
     finally:
         _signals_while_closing(loop)
@@ -372,19 +397,23 @@ def connection_limit() -> int:
 
 class _LimitedSite(web.TCPSite):
     """aiohttp's TCP site, each new connection beyond ``limit`` open ones answered
-    ``503`` and closed at once (nginx's ``worker_connections``)."""
+    ``503`` and closed at once (nginx's ``worker_connections``); with ``hit``, each
+    connection's protocol answers hits itself (:mod:`.hits`)."""
 
-    __slots__ = ("_limit",)
+    __slots__ = ("_limit", "_hit")
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, limit: int, *,
-                 reuse_port: bool = False) -> None:  # fmt: skip
+                 reuse_port: bool = False, hit: Callable[[Head], Hit | None] | None = None
+                 ) -> None:  # fmt: skip
         super().__init__(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
         self._limit = limit
+        self._hit = hit
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
         server = self._runner.server
         assert isinstance(server, web.Server)
+        handler = server if self._hit is None else handler_factory(server, self._hit)
         limit = self._limit
         refusals = _RateLimited(BAD_REQUEST_LINES)
         loop = asyncio.get_running_loop()
@@ -401,7 +430,7 @@ class _LimitedSite(web.TCPSite):
                 if not accepting[0]:
                     loop.call_soon(accepted)
                 accepting[0] += 1
-                return server()
+                return handler()
             if refusals.allow():
                 log.warning("%d connections are open (the most this edge serves): "
                             "refusing more%s", limit, refusals.suppressed_note())  # fmt: skip

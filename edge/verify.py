@@ -22,6 +22,7 @@ poisoned origin nor a flipped bit on the edge's own disk is passed on:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from typing import BinaryIO
 
 from kvcdn.container import read_header
 from kvcdn.errors import KvcdnError
-from kvcdn.keys import KeyInfo, parse_key
+from kvcdn.keys import MAX_KEY_LENGTH, KeyInfo, parse_key
 from kvcdn.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_OBJECT_BYTES,
@@ -65,8 +66,15 @@ class Verified:
 
 def check_key(key: str) -> KeyInfo | None:
     """What ``key`` names, or None if it is not a servable kvcdn key."""
-    if "\\" in key or "\0" in key:
+    if len(key) > MAX_KEY_LENGTH or "\\" in key or "\0" in key:
         return None
+    return _check_key(key)
+
+
+# Each key served is parsed once while it is among the 8,192 last asked for (KeyInfo
+# is frozen): at most 8 MiB of keys, whatever the requests.
+@functools.lru_cache(maxsize=8192)
+def _check_key(key: str) -> KeyInfo | None:
     return parse_key(key)
 
 

@@ -1,0 +1,319 @@
+"""The hit path: a cached object sent without aiohttp's per-request machinery.
+
+Most of what an edge serves is the same few hundred thousand immutable objects,
+again and again. aiohttp parses each request into a request object, runs the
+router and middleware, and builds a response object: about 0.15 ms of CPU a
+hit, seven times nginx's whole cost of one. So each connection's bytes pass
+through :class:`HitHandler` first (a subclass of aiohttp's own protocol, one
+per connection). It takes a request for itself only when all of these hold:
+
+* aiohttp has nothing of the connection's: no request queued or being
+  answered, no body being read, no upgrade; requests arrive one whole head at
+  a time, in order, and one that finds aiohttp busy is aiohttp's too;
+* the head is complete and strictly well-formed: ``GET`` or ``HEAD``, a path of
+  key characters only, ``HTTP/1.1``, CRLF line ends, token header names, no
+  repeated header, no control bytes, and nothing that announces a body
+  (``Content-Length`` other than 0, ``Transfer-Encoding``, ``Expect``, ``Upgrade``);
+* the edge can answer it from what it holds, at once (:meth:`.server.Edge.hit`):
+  an immutable object cached and verified as its file is now, a reader the
+  edge's access rules let through, an answer of 200, 206 or 304.
+
+Anything else goes to aiohttp as it came, and a head that is not strictly
+well-formed, or announces a body, hands aiohttp the connection for good: the
+two parsers can never disagree about where one request ends and the next begins
+(no request smuggling between them), and every request the hit path does not
+take is answered exactly as before. The hit path's bytes are the same headers
+aiohttp would send and the file's bytes by sendfile(2), with the same counts in
+``/metrics``.
+
+The handler uses some of aiohttp's protocol internals (its queue, its waiter, its
+keep-alive clock); :func:`supported` checks that the installed aiohttp has them,
+and without them the edge serves everything through aiohttp (and says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.utils import formatdate
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.web_protocol import RequestHandler
+
+from .respond import Reply, sendfile_now
+
+log = logging.getLogger(__name__)
+
+#: A head longer than this without its end is aiohttp's (which has its own limits).
+MAX_HEAD = 16 << 10
+#: A whole head the hit path may take: the method, a path of key characters, HTTP/1.1,
+#: then fields of a token name and a value without control bytes, each ended by CRLF.
+_HEAD = re.compile(
+    rb"(GET|HEAD) (/[A-Za-z0-9/._-]{1,1024}) HTTP/1\.1\r\n"
+    rb"((?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*)\r\n"
+)
+_REASONS = {200: "OK", 206: "Partial Content", 304: "Not Modified"}
+#: aiohttp's protocol attributes the handler reads or sets (see the module's text).
+_INTERNALS = (
+    "max_line_size", "max_field_size", "max_headers", "_waiter", "_messages",
+    "_request_in_progress", "_payload_parser", "_upgraded", "_handler_waiter",
+    "_next_keepalive_close_time", "_keepalive_timeout", "_keepalive_handle", "_force_close",
+    "_close", "_process_keepalive", "_loop",
+)  # fmt: skip
+
+
+@dataclass
+class Head:
+    """A request head the hit path may answer: names of ``headers`` in lower case."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    @property
+    def close(self) -> bool:
+        return self.headers.get("connection", "").lower() == "close"
+
+
+@dataclass
+class Hit:
+    """What :meth:`.server.Edge.hit` answers: the reply, and the open file it sends
+    (closed once sent)."""
+
+    reply: Reply
+    fd: int
+
+
+def parse_head(raw: bytes, *, max_line: int = 8190, max_headers: int = 100) -> Head | None:
+    """``raw`` (a head up to and including its blank line) if it is strictly a bodyless
+    ``GET`` or ``HEAD`` of a key-like path in HTTP/1.1, no line longer than
+    ``max_line`` and at most ``max_headers`` fields; None for anything else."""
+    m = _HEAD.fullmatch(raw)
+    if m is None:
+        return None
+    lines = m.group(3).split(b"\r\n")[:-1]
+    if len(lines) > max_headers or max(map(len, lines), default=0) > max_line:
+        return None  # over aiohttp's limits: its answer (400, 431) is the edge's
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        lower = name.decode("ascii").lower()
+        if lower in headers:
+            return None
+        headers[lower] = value.strip(b" \t").decode("latin-1")
+    if headers.get("content-length", "0") != "0" or any(
+        h in headers for h in ("transfer-encoding", "expect", "upgrade")
+    ):
+        return None
+    if headers.get("connection", "keep-alive").lower() not in ("keep-alive", "close"):
+        return None
+    return Head(m.group(1).decode("ascii"), m.group(2).decode("ascii"), headers)
+
+
+def render(reply: Reply, *, close: bool) -> bytes:
+    """The status line and headers of ``reply``, as aiohttp would send them."""
+    lines = [f"HTTP/1.1 {reply.status} {_REASONS[reply.status]}"]
+    lines += [f"{k}: {v}" for k, v in reply.headers.items()]
+    if reply.status != 304:
+        lines += [f"Content-Type: {reply.content_type}", f"Content-Length: {reply.count}"]
+    lines += [f"Date: {_date()}", f"Server: {SERVER_SOFTWARE}"]
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+_dates: list[Any] = [0, ""]
+
+
+def _date() -> str:
+    """The ``Date`` header, formatted once a second."""
+    now = int(time.time())
+    if _dates[0] != now:
+        _dates[:] = [now, formatdate(now, usegmt=True)]
+    return _dates[1]
+
+
+def supported(server: web.Server) -> bool:
+    """Whether the installed aiohttp has the internals :class:`HitHandler` uses, and
+    ``server`` the arguments its handlers are made with."""
+    slots = {s for cls in RequestHandler.__mro__ for s in getattr(cls, "__slots__", ())}
+    names = slots | set(dir(RequestHandler))
+    made_with = getattr(server, "_kwargs", None)
+    return all(name in names for name in _INTERNALS) and isinstance(made_with, dict)
+
+
+def handler_factory(server: web.Server, hit: Callable[[Head], Hit | None]
+                    ) -> Callable[[], RequestHandler]:  # fmt: skip
+    """What makes each connection's protocol: a :class:`HitHandler` made as ``server``
+    makes its own handlers, or (an aiohttp without the internals) ``server`` itself."""
+    if not supported(server):
+        log.warning("this aiohttp (%s) lacks what the edge's hit path uses: every request "
+                    "goes through aiohttp, at several times the CPU a hit", SERVER_SOFTWARE)
+        return server
+    kwargs = server._kwargs  # what web.Server.__call__ passes its RequestHandler
+    loop = asyncio.get_running_loop()
+    return lambda: HitHandler(server, hit=hit, loop=loop, **kwargs)
+
+
+class HitHandler(RequestHandler):
+    """aiohttp's protocol for one connection, answering hits itself (see the module).
+
+    ``hit(head)`` is the edge's decision: a :class:`Hit` to send, or None for aiohttp."""
+
+    __slots__ = ("_hit", "_pending", "_aiohttps", "_sending")
+
+    def __init__(self, manager: web.Server, *, hit: Callable[[Head], Hit | None],
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(manager, **kwargs)
+        self._hit = hit
+        self._pending = bytearray()  # received, not yet answered nor handed to aiohttp
+        self._aiohttps = False  # the connection is aiohttp's for good
+        self._sending = False  # a hit's body is being sent: later requests wait
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # sendfile(2) would bypass TLS: an encrypted connection is aiohttp's
+        self._aiohttps = transport.get_extra_info("ssl_object") is not None
+
+    def data_received(self, data: bytes) -> None:
+        if self._aiohttps or self._force_close or self._close:
+            super().data_received(data)
+            return
+        self._pending += data
+        self._answer_pending()
+
+    def _idle(self) -> bool:
+        """Whether aiohttp holds nothing of this connection: waiting for a request."""
+        waiter = self._waiter
+        return (waiter is not None and not waiter.done() and not self._messages
+                and not self._request_in_progress and self._payload_parser is None
+                and not self._upgraded)  # fmt: skip
+
+    def _answer_pending(self) -> None:
+        pending = self._pending
+        while pending and not self._sending and not self._aiohttps:
+            end = pending.find(b"\r\n\r\n")
+            if end < 0:
+                # a partial head waits for its end, unless it can never be ours: too
+                # long, or with a line end that is not CRLF (aiohttp takes bare LFs)
+                if len(pending) > MAX_HEAD or pending.replace(b"\r\n", b"").find(b"\n") >= 0:
+                    self._hand_over(forever=True)
+                return
+            raw = bytes(pending[: end + 4])
+            head = parse_head(raw, max_line=min(self.max_line_size, self.max_field_size),
+                              max_headers=self.max_headers)  # fmt: skip
+            if head is None:  # not strictly one of ours: aiohttp parses from here on
+                self._hand_over(forever=True)
+                return
+            del pending[: end + 4]
+            hit = self._hit(head) if self._idle() else None
+            if hit is None:
+                super().data_received(raw)  # a whole bodyless head: aiohttp answers it
+                continue
+            self._send(head, hit)
+
+    def _hand_over(self, *, forever: bool) -> None:
+        data, self._pending = bytes(self._pending), bytearray()
+        self._aiohttps = forever
+        super().data_received(data)
+
+    def _send(self, head: Head, hit: Hit) -> None:
+        transport = self.transport
+        reply, body = hit.reply, head.method != "HEAD" and hit.reply.status != 304
+        if transport is None or transport.is_closing():
+            os.close(hit.fd)
+            return
+        offset, count = reply.start, reply.count if body else 0
+        sock = transport.get_extra_info("socket")
+        # Corked, the head leaves with the body's first bytes (nginx's tcp_nopush):
+        # one segment fewer, and the client wakes for the whole response, not its head.
+        corked = count > 0 and sock is not None and _cork(sock, True)
+        transport.write(render(reply, close=head.close))  # a HEAD's headers are a GET's
+        if count and sock is not None and transport.get_write_buffer_size() == 0:
+            sent = sendfile_now(sock.fileno(), hit.fd, offset, count)
+            offset, count = offset + sent, count - sent
+        if not count:
+            if corked:
+                _cork(sock, False)
+            os.close(hit.fd)
+            self._sent(head)
+            return
+        # the socket is full: the rest is sent as it drains, and the requests after this
+        # one wait for it (aiohttp's shutdown waits for it as for one of its own)
+        self._sending = self._request_in_progress = True
+        task = asyncio.get_running_loop().create_task(
+            self._send_rest(head, hit, offset, count, sock if corked else None)
+        )
+        task.add_done_callback(_seen)
+
+    async def _send_rest(self, head: Head, hit: Hit, offset: int, count: int,
+                         corked: Any) -> None:  # fmt: skip
+        try:
+            transport = self.transport
+            if transport is None:
+                return
+            try:
+                with open(hit.fd, "rb", buffering=0, closefd=False) as file:
+                    await asyncio.get_running_loop().sendfile(transport, file, offset, count,
+                                                              fallback=False)  # fmt: skip
+            except (NotImplementedError, asyncio.SendfileNotAvailableError):
+                transport.close()  # no sendfile here after all: the client asks again
+                return
+            except (OSError, RuntimeError):  # the client went away
+                return
+        finally:
+            if corked is not None:
+                _cork(corked, False)
+            os.close(hit.fd)
+            self._sending = self._request_in_progress = False
+            if self._handler_waiter is not None and not self._handler_waiter.done():
+                self._handler_waiter.set_result(None)
+        self._sent(head)
+        self._answer_pending()
+
+    def _sent(self, head: Head) -> None:
+        """A hit's response is out: the connection's idle clock starts again, or it ends."""
+        if head.close:
+            if self.transport is not None:
+                self.transport.close()
+            self._aiohttps = True  # nothing more is read
+            return
+        self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+
+    def _process_keepalive(self) -> None:
+        if self._sending:  # a slow reader of a hit's body is not an idle connection
+            self._keepalive_handle = self._loop.call_at(
+                self._loop.time() + self._keepalive_timeout, self._process_keepalive
+            )
+            return
+        super()._process_keepalive()
+
+
+def _cork(sock: Any, on: bool) -> bool:
+    """TCP_CORK on or off (off sends what it held); False where there is none."""
+    if not _TCP_CORK:  # not Linux
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, on)
+    except OSError:  # not TCP, or the client went away
+        return False
+    return True
+
+
+_TCP_CORK = getattr(socket, "TCP_CORK", 0)
+
+
+def _seen(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("sending a hit failed", exc_info=task.exception())

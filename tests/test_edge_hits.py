@@ -1,0 +1,324 @@
+"""The edge's hit path (kvcdn.edge.hits) against aiohttp's answers to the same bytes.
+
+One real edge in this process serves its cache on two ports over real TCP: one
+with the hit path, one without it (aiohttp answers everything). Raw sockets send
+both the same bytes; their answers must be the same (but for ``Date``), and the
+hit path's own answers are counted, so each test knows which path answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+
+from kvcdn.edge import hits
+from kvcdn.edge.cache import DiskCache
+from kvcdn.edge.origin import open_origin
+from kvcdn.edge.server import Edge, _LimitedSite
+from tests.conftest import free_port
+from tests.edge_helpers import chunk_object, large_chunk_object
+
+
+@dataclass
+class Served:
+    edge: Edge
+    hit_port: int  # the hit path first, aiohttp for the rest
+    plain_port: int  # aiohttp alone
+    answered: list[int]  # statuses the hit path answered itself
+
+
+@contextlib.contextmanager
+def serving(folder, cache_dir, *, token: str | None = None, idle_s: float = 15.0
+            ) -> Iterator[Served]:  # fmt: skip
+    """An edge over the store folder ``folder`` on two ports, on a loop in a thread."""
+    loop = asyncio.new_event_loop()
+    ready, stop = threading.Event(), asyncio.Event()
+    served: list[Served] = []
+
+    async def main() -> None:
+        edge = Edge(DiskCache(cache_dir, 1 << 30), [open_origin(str(folder))], token)
+        answered: list[int] = []
+
+        def counted(head: hits.Head) -> hits.Hit | None:
+            hit = edge.hit(head)
+            if hit is not None:
+                answered.append(hit.reply.status)
+            return hit
+
+        runner = web.AppRunner(edge.app(), handle_signals=False, access_log=None,
+                               keepalive_timeout=idle_s)  # fmt: skip
+        await runner.setup()
+        ports = free_port(), free_port()
+        await _LimitedSite(runner, "127.0.0.1", ports[0], 1000, hit=counted).start()
+        await _LimitedSite(runner, "127.0.0.1", ports[1], 1000).start()
+        served.append(Served(edge, *ports, answered))
+        ready.set()
+        await stop.wait()
+        await runner.cleanup()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert ready.wait(20), "the edge did not start"
+    try:
+        yield served[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(20)
+        loop.close()
+
+
+def exchange(port: int, data: bytes | list[bytes], *, answers: int | None = 1,
+             bodies: bool = True, quiet_s: float = 0.5, rcvbuf: int | None = None,
+             wait_s: float = 0.0) -> bytes:  # fmt: skip
+    """Send ``data`` (pieces sent one by one), then read ``answers`` whole responses (with
+    bodies of their Content-Length unless not ``bodies``: HEAD) or, with None, until the
+    server closes or is quiet for ``quiet_s``. ``wait_s`` of not reading first (with a
+    small ``rcvbuf``: a slow reader)."""
+    with socket.socket() as s:
+        if rcvbuf:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.connect(("127.0.0.1", port))
+        for piece in [data] if isinstance(data, bytes) else data:
+            s.sendall(piece)
+            time.sleep(0.05 if not isinstance(data, bytes) else 0)
+        time.sleep(wait_s)
+        s.settimeout(quiet_s if answers is None else 20)
+        got = bytearray()
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while answers is None or _whole(got, bodies) < answers:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    break
+                got += chunk
+        return bytes(got)
+
+
+def _whole(raw: bytes, bodies: bool) -> int:
+    """How many whole responses ``raw`` holds."""
+    n, at = 0, 0
+    while (end := raw.find(b"\r\n\r\n", at)) >= 0:
+        length = re.search(rb"\r\nContent-Length: (\d+)", raw[at:end])
+        status = int(raw[at + 9 : at + 12])
+        size = int(length.group(1)) if length and bodies and status != 304 else 0
+        if len(raw) < end + 4 + size:
+            break
+        n, at = n + 1, end + 4 + size
+    return n
+
+
+def same_answer(a: bytes, b: bytes) -> bool:
+    date = re.compile(rb"\r\nDate: [^\r]*")
+    return date.sub(b"", a) == date.sub(b"", b)
+
+
+def responses(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The responses in ``raw``, each (status, headers, body) by Content-Length."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        n = int(headers.get("Content-Length", 0))
+        out.append((int(lines[0].split()[1]), headers, rest[:n]))
+        raw = rest[n:]
+    return out
+
+
+def get(key: str, *extra: str, method: str = "GET") -> bytes:
+    fields = "".join(f"{h}\r\n" for h in ("Host: 127.0.0.1", *extra))
+    return f"{method} /{key} HTTP/1.1\r\n{fields}\r\n".encode()
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A store folder with two real chunk objects; their keys and bytes."""
+    objects = dict(chunk_object(i) for i in (11, 12))
+    for key, data in objects.items():
+        (tmp_path / "store" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "store" / key).write_bytes(data)
+    return tmp_path / "store", objects
+
+
+def test_the_installed_aiohttp_has_what_the_hit_path_uses():
+    # an aiohttp upgrade that drops them would silently send every hit through aiohttp
+    loop = asyncio.new_event_loop()
+    try:
+        assert hits.supported(web.Server(lambda request: None, loop=loop))
+    finally:
+        loop.close()
+
+
+def test_hits_are_answered_as_aiohttp_answers_them(store, tmp_path):
+    folder, objects = store
+    (key, data), (other, _) = objects.items()
+    with serving(folder, tmp_path / "cache") as s:
+        first = responses(exchange(s.hit_port, get(key)))  # a miss: aiohttp's
+        assert first[0][0] == 200 and first[0][2] == data and s.answered == []
+        tag = first[0][1]["ETag"]
+        cases = {  # request headers: the status the hit path answers, or None: aiohttp's
+            (): 200,
+            ("Range: bytes=0-99",): 206,
+            ("Range: bytes=-100",): 206,
+            ("Range: bytes=1000-",): 206,
+            (f"Range: bytes=0-{len(data) + 5}",): 200,
+            ("Range: bytes=0-1,5-9",): 200,  # several ranges: the whole object
+            (f"If-None-Match: {tag}",): 304,
+            ('If-None-Match: "other"',): 200,
+            ('If-Range: "other"', "Range: bytes=0-9"): 200,
+            (f"If-Range: {tag}", "Range: bytes=0-9"): 206,
+            ("Connection: keep-alive", "Accept-Encoding: gzip"): 200,
+            ('If-Match: "other"',): None,  # 412
+            (f"Range: bytes={len(data)}-",): None,  # 416
+            ("Content-Length: 0",): 200,
+        }
+        for extra, status in cases.items():
+            for method in ("GET", "HEAD"):
+                before = len(s.answered)
+                request, bodies = get(key, *extra, method=method), method == "GET"
+                fast = exchange(s.hit_port, request, bodies=bodies)
+                plain = exchange(s.plain_port, request, bodies=bodies)
+                assert same_answer(fast, plain), (extra, method, fast[:300], plain[:300])
+                assert s.answered[before:] == ([status] if status else []), (extra, method)
+        # the bytes themselves, and the counts /metrics gives
+        status, headers, body = responses(exchange(s.hit_port, get(key, "Range: bytes=10-19")))[0]
+        assert (status, body, headers["Content-Range"]) == (206, data[10:20],
+                                                            f"bytes 10-19/{len(data)}")  # fmt: skip
+        metrics = s.edge.metrics
+        # every answer counted as a hit: the plain port's, and the 412s and 416s aiohttp
+        # answered for the hit path's port
+        assert metrics.hits == len(s.answered) + 2 * len(cases) + 2 * 2
+        assert metrics.misses == 1
+        # a key the edge has not cached is aiohttp's, and then the hit path's
+        assert responses(exchange(s.hit_port, get(other)))[0][0] == 200
+        before = len(s.answered)
+        assert responses(exchange(s.hit_port, get(other)))[0][0] == 200
+        assert s.answered[before:] == [200]
+
+
+def test_pipelined_split_and_closing_requests(store, tmp_path):
+    folder, objects = store
+    (key, data), (other, data2) = objects.items()
+    with serving(folder, tmp_path / "cache") as s:
+        exchange(s.hit_port, get(key))  # cached
+        # a hit, a miss (aiohttp's, it answers while the next head waits), a hit
+        raw = exchange(s.hit_port, get(key) + get(other) + get(key), answers=3)
+        assert [(st, body) for st, _, body in responses(raw)] == [(200, data), (200, data2),
+                                                                  (200, data)]  # fmt: skip
+        # a head arriving a few bytes at a time
+        request = get(key, "Range: bytes=5-9")
+        raw = exchange(s.hit_port, [request[i : i + 7] for i in range(0, len(request), 7)])
+        assert [(st, body) for st, _, body in responses(raw)] == [(206, data[5:10])]
+        # Connection: close ends the connection after the answer
+        with socket.create_connection(("127.0.0.1", s.hit_port), timeout=5) as c:
+            c.sendall(get(key, "Connection: close"))
+            got = bytearray()
+            while chunk := c.recv(1 << 20):  # returns b"" once the edge closes
+                got += chunk
+        (status, headers, body), = responses(bytes(got))
+        assert status == 200 and body == data and headers["Connection"] == "close"
+
+
+@pytest.mark.parametrize("name,request_bytes", [
+    # a body that holds a request: only aiohttp reads it, as a body
+    ("content-length", "GET /{k} HTTP/1.1\r\nHost: a\r\nContent-Length: {n}\r\n\r\n{inner}"),
+    ("chunked", "GET /{k} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+                "{n:x}\r\n{inner}\r\n0\r\n\r\n"),
+    ("two lengths", "GET /{k} HTTP/1.1\r\nContent-Length: 0\r\nContent-Length: {n}\r\n\r\n"
+                    "{inner}"),
+    ("length and chunked", "GET /{k} HTTP/1.1\r\nContent-Length: 5\r\n"
+                           "Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n{inner}"),
+    ("space before colon", "GET /{k} HTTP/1.1\r\nContent-Length : {n}\r\n\r\n{inner}"),
+    ("folded line", "GET /{k} HTTP/1.1\r\nX-A: b\r\n c\r\n\r\n{inner}"),
+    ("bare LF", "GET /{k} HTTP/1.1\nHost: a\n\n{inner}"),
+    ("bare LF alone", "GET /{k} HTTP/1.1\nHost: a\n\n"),
+    ("LF in a field", "GET /{k} HTTP/1.1\r\nHost: a\nContent-Length: {n}\r\n\r\n{inner}"),
+    ("HTTP/1.0", "GET /{k} HTTP/1.0\r\n\r\n{inner}"),
+    ("expect", "GET /{k} HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: {n}\r\n\r\n"
+               "{inner}"),
+    ("encoded path", "GET /{k}%2e HTTP/1.1\r\n\r\n{inner}"),
+    ("absolute form", "GET http://a/{k} HTTP/1.1\r\n\r\n{inner}"),
+    ("NUL in a field", "GET /{k} HTTP/1.1\r\nX-A: \x00\r\n\r\n{inner}"),
+    ("long field", "GET /{k} HTTP/1.1\r\nX-A: " + "a" * 9000 + "\r\n\r\n{inner}"),
+])  # fmt: skip
+def test_a_head_the_hit_path_is_unsure_of_is_aiohttp_s_for_good(store, tmp_path, name,
+                                                                request_bytes):  # fmt: skip
+    """No request smuggling between the two parsers: whatever the hit path does not take
+    strictly, aiohttp parses, this request and every byte after it, whether they come
+    at once or the head first and the rest later."""
+    folder, objects = store
+    (key, _), (other, _) = objects.items()
+    inner = get(other).decode()
+    raw = request_bytes.format(k=key, n=len(inner), inner=inner).encode("latin-1")
+    with serving(folder, tmp_path / "cache") as s:
+        for k in objects:  # both cached: any request the hit path took would be answered
+            exchange(s.hit_port, get(k))
+        cut = raw.find(b"\n\n") + 2 if b"\n\n" in raw else raw.find(b"\r\n\r\n") + 4
+        for pieces in (raw, [raw[:cut], raw[cut:]]):
+            fast = exchange(s.hit_port, pieces, answers=None)
+            plain = exchange(s.plain_port, pieces, answers=None)
+            assert same_answer(fast, plain), (fast[:400], plain[:400])
+        assert s.answered == [], name
+
+
+def test_a_slow_reader_gets_the_whole_object_then_its_next_answer(tmp_path):
+    """A body larger than the socket takes is sent as the client reads (even past the
+    idle timeout), and the request pipelined behind it waits for it."""
+    key, data = large_chunk_object(8 << 20)
+    small_key, small = chunk_object(13)
+    for k, d in ((key, data), (small_key, small)):
+        (tmp_path / "store" / k).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "store" / k).write_bytes(d)
+    with serving(tmp_path / "store", tmp_path / "cache", idle_s=0.5) as s:
+        for k in (key, small_key):
+            exchange(s.hit_port, get(k))
+        raw = exchange(s.hit_port, get(key) + get(small_key), answers=2, rcvbuf=4096, wait_s=1.5)
+        got = responses(raw)
+        assert [(st, len(b)) for st, _, b in got] == [(200, len(data)), (200, len(small))]
+        assert hashlib.sha256(got[0][2]).digest() == hashlib.sha256(data).digest()
+        assert got[1][2] == small and s.answered == [200, 200]
+        # an idle connection is still closed after the idle timeout
+        with socket.create_connection(("127.0.0.1", s.hit_port), timeout=5) as c:
+            c.sendall(get(small_key))
+            time.sleep(1.5)
+            c.settimeout(5)
+            got = bytearray()
+            while chunk := c.recv(1 << 20):
+                got += chunk
+            assert responses(bytes(got))[0][2] == small  # answered, then closed
+
+
+def test_the_hit_path_keeps_the_edge_s_access_rules_and_checks(store, tmp_path):
+    folder, objects = store
+    key, data = next(iter(objects.items()))
+    with serving(folder, tmp_path / "cache", token="s3cret") as s:
+        good = "Authorization: Bearer s3cret"
+        assert responses(exchange(s.hit_port, get(key, good)))[0][2] == data  # cached
+        for extra in ((), ("Authorization: Bearer wrong",), ("Authorization: s3cret",)):
+            fast, plain = exchange(s.hit_port, get(key, *extra)), exchange(s.plain_port,
+                                                                           get(key, *extra))
+            assert responses(fast)[0][0] == 401 and same_answer(fast, plain)
+        assert s.answered == []
+        assert responses(exchange(s.hit_port, get(key, good)))[0][2] == data
+        assert s.answered == [200]
+        # a cached file changed on disk is not sent as it is: aiohttp's path verifies it,
+        # drops it and fetches the object again
+        path = next(p for p in (tmp_path / "cache" / "objects").glob("*/*")
+                    if p.suffix != ".meta")  # fmt: skip
+        damaged = bytearray(path.read_bytes())
+        damaged[-1] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        assert responses(exchange(s.hit_port, get(key, good)))[0][2] == data
+        assert s.answered == [200] and s.edge.metrics.verify_failures == 1  # detected
+        assert s.edge.metrics.misses == 2  # damaged, so fetched again
+        assert responses(exchange(s.hit_port, get(key, good)))[0][2] == data
+        assert s.answered == [200, 200]
