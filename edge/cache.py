@@ -54,10 +54,6 @@ FULL_DISK_BACKOFF_S = 30.0
 MAX_ENTRIES = 1_000_000
 
 
-#: Bytes a spool holds in memory before they are written (one piece; see Spool.hold),
-#: and reads it holds at most (a slow origin's small reads: one write each batch).
-PIECE = 1 << 20
-MAX_HELD_READS = 256
 #: Buffers one write takes at most (Linux's and macOS's IOV_MAX).
 IOV_MAX = 1024
 
@@ -103,11 +99,9 @@ class Spool:
     spools sharing :data:`MAX_MEMORY_SPOOL_BYTES`: the edge keeps serving misses,
     uncached, in bounded memory.
 
-    One writer at a time (the fetch that owns it) adds what it receives: on an
-    event loop, each read is held (:meth:`hold`) and a piece's worth written at
-    once (:meth:`flush`) off the loop; a thread calls :meth:`write`. What is held when the
-    body ends is written by :meth:`flush` in the verifier's thread, so that a
-    piece-sized miss costs one hand-over to a thread, not two. Once finished,
+    One writer at a time (the fetch that owns it) adds what it receives with
+    :meth:`write`: a fetch on the event loop each read as it arrives, a thread's
+    fetch each piece it reads. Once finished,
     :meth:`source` gives each reader a handle of its own (read it with explicit
     offsets) or the bytes. The file leaves the folder by :meth:`DiskCache.adopt`
     (renamed into the cache) or :meth:`discard`, and its bytes live on until the
@@ -126,8 +120,6 @@ class Spool:
         # a store origin's thread may still be writing when its fetch is given up
         self._lock = threading.Lock()
         self._memory: bytearray | bytes | None = None
-        self._held: list[bytes] = []  # received, not yet written (or hashed)
-        self._held_bytes = 0
         self._readers = 0  # responses still sending the bytes held in memory
         self._fd: int | None = None
         self._opened = False  # the file is made by the first write, on the writer's thread
@@ -161,52 +153,34 @@ class Spool:
     def on_disk(self) -> bool:
         return self._fd is not None
 
-    def hold(self, data: bytes) -> bool:
-        """Take ``data`` as received, unwritten: True once a piece's worth
-        (:data:`PIECE`) is held, to be written by :meth:`flush`. Checked against the
-        object's limit at once (:class:`SpoolFull`), so an endless body stops here."""
+    def write(self, piece: bytes) -> None:
+        """Append ``piece`` and hash it, now. On an event loop this is one write to the
+        page cache per read of the socket (as nginx writes its temporary files): a
+        hand-over to a thread per miss cost more CPU than the write and the hash,
+        in futexes (the GIL passed back and forth around each system call) and in
+        the memory of a piece held until the hand-over. :class:`SpoolFull` past the
+        object's limit (so an endless body stops here) or the cache's."""
+        n = len(piece)
         with self._lock:
             if self._placed:
                 raise SpoolFull(f"the fetch of {self.key} was given up")
-            if self.size + self._held_bytes + len(data) > self.limit:
+            if self.size + n > self.limit:
                 raise SpoolFull(f"more than the {self.limit} bytes {self.key} can have")
-            self._held.append(data)
-            self._held_bytes += len(data)
-            # more than a piece, so that a piece-sized body's last read waits for the
-            # verifier's flush: one hand-over to a thread instead of two
-            return self._held_bytes > PIECE or len(self._held) >= MAX_HELD_READS
-
-    def write(self, piece: bytes) -> None:
-        """Append ``piece`` now (a thread's fetch); :class:`SpoolFull` past the object's
-        or the cache's limit."""
-        self.hold(piece)
-        self.flush()
-
-    def flush(self) -> None:
-        """Write (and hash) what :meth:`hold` took, in one write: blocks, so off the
-        event loop. :class:`SpoolFull` past the cache's limit."""
-        with self._lock:
-            pieces, n = self._held, self._held_bytes
             if not n:
                 return
-            self._held, self._held_bytes = [], 0
-            if self._placed:
-                raise SpoolFull(f"the fetch of {self.key} was given up")
             if not self._opened:
                 self._open()
             if self._fd is not None:
                 self.cache._reserve(self, n, memory=False)
                 try:
-                    _write_all(self._fd, pieces, self.size)
+                    _write_all(self._fd, [piece], self.size)
                 except OSError as exc:
                     self.cache._write_failed(self.key, exc)
                     self._to_memory()  # the disk filled up: go on in memory, or fail
             if self._memory is not None:
                 self.cache._reserve(self, n, memory=True)
-                for piece in pieces:
-                    self._memory += piece
-            for piece in pieces:
-                self._sha256.update(piece)
+                self._memory += piece
+            self._sha256.update(piece)
             self.size += n
 
     def _to_memory(self) -> None:
@@ -225,9 +199,7 @@ class Spool:
         return bytes(self._memory[offset : offset + n])
 
     def read_all(self) -> bytes:
-        """The whole spool, what is held written first: for small documents (pointers,
-        manifests) only."""
-        self.flush()
+        """The whole spool: for small documents (pointers, manifests) only."""
         return self.read_at(0, self.size)
 
     def source(self) -> tuple[BinaryIO | None, bytes, Callable[[], None] | None]:
@@ -273,7 +245,6 @@ class Spool:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-            self._held, self._held_bytes = [], 0
             if self._readers == 0:
                 self._memory = None
                 self.cache._release(self)

@@ -4,7 +4,7 @@ A miss is read through from the origins in order (parent edges first, the
 object store last). Concurrent misses for one key share a single fetch, which
 runs as a task of its own so that a client going away does not cancel it for
 the others. A fetch streams into a spool in the cache folder, hashed as it
-arrives (:class:`~.cache.Spool`), so the edge holds a piece of each miss in
+arrives (:class:`~.cache.Spool`), so the edge holds one read of the socket for each miss in
 memory, never an object; the spooled bytes are verified (:mod:`.verify`)
 before anyone sees them, renamed into the cache, and sent from the file.
 Cached bytes are verified again on their first use from disk after a start,
@@ -575,20 +575,22 @@ class Filler:
         """What a fetched spool holds: a content-addressed object by its hash (only its
         header is read back), a document from its bytes (a few at a time).
 
-        The spool's last piece is written, and a content-addressed object made the
-        cached copy of its key, in the same thread: a hand-over to a thread and back
-        costs as much as all three steps."""
+        A content-addressed object is made the cached copy of its key at once, on the
+        event loop: a rename and a small meta file, cheaper than a hand-over to a
+        thread. With sibling workers that takes the shared ledger's lock, which a
+        sibling may hold for a whole eviction scan: then in a thread."""
         if info.kind in CONTENT_ADDRESSED:
 
             def verify_and_keep() -> Verified:
-                spool.flush()
                 checked = verify_content(
                     key, info, size=spool.size, sha256=spool.sha256, read_at=spool.read_at
                 )
                 self.cache.adopt(spool, checked.etag)
                 return checked
 
-            return await asyncio.to_thread(verify_and_keep), None
+            if self.cache.shared is not None:
+                return await asyncio.to_thread(verify_and_keep), None
+            return verify_and_keep(), None
         async with self._parses:
             data = await asyncio.to_thread(spool.read_all)  # flushed first
             return await asyncio.to_thread(verify, key, info, data, self.trust), data

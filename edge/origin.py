@@ -174,7 +174,6 @@ class _HTTPReads:
         """GET ``url`` (the object ``key``) into ``spool``: :class:`OriginMissing` on a
         404, :class:`_Unexpected` on another answer (a redirect, unless ``redirects``),
         :class:`OriginFailed` when the request fails or sends more than the spool takes."""
-        loop = asyncio.get_running_loop()
         try:
             async with self.client().get(url, allow_redirects=redirects) as resp:
                 if resp.status == 404:
@@ -184,14 +183,10 @@ class _HTTPReads:
                         f"origin {self.origin} answered {resp.status} for {key}", resp.status
                     )
                 check_length(self.origin, resp, spool.limit, key)
-                # written (and hashed) off the event loop a piece at a time: the edge
-                # holds a piece per miss, never an object. The socket's reads (64 KiB)
-                # are held until a piece's worth is due: each hand-over to a thread
-                # costs more than hashing and writing 64 KiB. The last piece is
-                # written by the verifier's thread (Spool.flush).
+                # written and hashed as it arrives, on the event loop (Spool.write): the
+                # edge holds a read of the socket per miss, never an object
                 async for data in resp.content.iter_any():
-                    if spool.hold(data):
-                        await loop.run_in_executor(None, spool.flush)
+                    spool.write(data)
         except asyncio.TimeoutError:
             raise OriginFailed(f"origin {self.origin} timed out on {key}", timeout=True) from None
         except aiohttp.ClientError as exc:

@@ -88,12 +88,22 @@ def exchange(port: int, data: bytes | list[bytes], *, answers: int | None = 1,
         if rcvbuf:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         s.connect(("127.0.0.1", port))
-        for piece in [data] if isinstance(data, bytes) else data:
-            s.sendall(piece)
-            time.sleep(0.05 if not isinstance(data, bytes) else 0)
+        got = bytearray()
+        pieces = [data] if isinstance(data, bytes) else data
+        for i, piece in enumerate(pieces):
+            try:
+                s.sendall(piece)
+            except (BrokenPipeError, ConnectionResetError):  # the server closed first
+                break
+            if i + 1 < len(pieces):  # what came back so far: a reset would discard it
+                time.sleep(0.05)
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError, ConnectionResetError):
+                    while chunk := s.recv(1 << 20):
+                        got += chunk
+                s.setblocking(True)
         time.sleep(wait_s)
         s.settimeout(quiet_s if answers is None else 20)
-        got = bytearray()
         with contextlib.suppress(TimeoutError, ConnectionResetError):
             while answers is None or _whole(got, bodies) < answers:
                 chunk = s.recv(1 << 20)
@@ -242,7 +252,8 @@ def test_pipelined_split_and_closing_requests(store, tmp_path):
     ("bare LF", "GET /{k} HTTP/1.1\nHost: a\n\n{inner}"),
     ("bare LF alone", "GET /{k} HTTP/1.1\nHost: a\n\n"),
     ("LF in a field", "GET /{k} HTTP/1.1\r\nHost: a\nContent-Length: {n}\r\n\r\n{inner}"),
-    ("HTTP/1.0", "GET /{k} HTTP/1.0\r\n\r\n{inner}"),
+    # (kept alive: a close before the rest arrives would reset what the client had not read)
+    ("HTTP/1.0", "GET /{k} HTTP/1.0\r\nConnection: keep-alive\r\n\r\n{inner}"),
     ("expect", "GET /{k} HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: {n}\r\n\r\n"
                "{inner}"),
     ("encoded path", "GET /{k}%2e HTTP/1.1\r\n\r\n{inner}"),
