@@ -4,8 +4,8 @@ A miss is read through from the origins in order (parent edges first, the
 object store last). Concurrent misses for one key share a single fetch, which
 runs as a task of its own so that a client going away does not cancel it for
 the others. A fetch streams into a spool in the cache folder, hashed as it
-arrives (:class:`~.cache.Spool`), so the edge holds one read of the socket for each miss in
-memory, never an object; the spooled bytes are verified (:mod:`.verify`)
+arrives (:class:`~.cache.Spool`), so the edge holds one read of the socket for
+each miss in memory, never an object; the spooled bytes are verified (:mod:`.verify`)
 before anyone sees them, renamed into the cache, and sent from the file.
 Cached bytes are verified again on their first use from disk after a start,
 or after their file changed, a piece at a time.
@@ -592,7 +592,7 @@ class Filler:
                 return await asyncio.to_thread(verify_and_keep), None
             return verify_and_keep(), None
         async with self._parses:
-            data = await asyncio.to_thread(spool.read_all)  # flushed first
+            data = await asyncio.to_thread(spool.read_all)
             return await asyncio.to_thread(verify, key, info, data, self.trust), data
 
     async def _keep(self, key: str, data: bytes, tag: str) -> None:

@@ -35,6 +35,7 @@ and without them the edge serves everything through aiohttp (and says so).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -134,15 +135,14 @@ def render(reply: Reply, *, close: bool) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-_dates: list[Any] = [0, ""]
-
-
 def _date() -> str:
     """The ``Date`` header, formatted once a second."""
-    now = int(time.time())
-    if _dates[0] != now:
-        _dates[:] = [now, formatdate(now, usegmt=True)]
-    return _dates[1]
+    return _http_date(int(time.time()))
+
+
+@functools.lru_cache(maxsize=1)
+def _http_date(second: int) -> str:
+    return formatdate(second, usegmt=True)
 
 
 def supported(server: web.Server) -> bool:
@@ -209,13 +209,13 @@ class HitHandler(RequestHandler):
                 # a partial head waits for its end, unless it can never be ours: too
                 # long, or with a line end that is not CRLF (aiohttp takes bare LFs)
                 if len(pending) > MAX_HEAD or pending.replace(b"\r\n", b"").find(b"\n") >= 0:
-                    self._hand_over(forever=True)
+                    self._hand_over()
                 return
             raw = bytes(pending[: end + 4])
             head = parse_head(raw, max_line=min(self.max_line_size, self.max_field_size),
                               max_headers=self.max_headers)  # fmt: skip
             if head is None:  # not strictly one of ours: aiohttp parses from here on
-                self._hand_over(forever=True)
+                self._hand_over()
                 return
             del pending[: end + 4]
             hit = self._hit(head) if self._idle() else None
@@ -224,9 +224,10 @@ class HitHandler(RequestHandler):
                 continue
             self._send(head, hit)
 
-    def _hand_over(self, *, forever: bool) -> None:
+    def _hand_over(self) -> None:
+        """The connection is aiohttp's from here on, what is pending first."""
         data, self._pending = bytes(self._pending), bytearray()
-        self._aiohttps = forever
+        self._aiohttps = True
         super().data_received(data)
 
     def _send(self, head: Head, hit: Hit) -> None:
