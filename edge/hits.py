@@ -39,7 +39,6 @@ import functools
 import logging
 import os
 import re
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -238,29 +237,23 @@ class HitHandler(RequestHandler):
             return
         offset, count = reply.start, reply.count if body else 0
         sock = transport.get_extra_info("socket")
-        # Corked, the head leaves with the body's first bytes (nginx's tcp_nopush):
-        # one segment fewer, and the client wakes for the whole response, not its head.
-        corked = count > 0 and sock is not None and _cork(sock, True)
+        # The head goes out on its own: corked to leave with the body's first bytes
+        # (nginx's tcp_nopush), hits took twice the CPU (docs/edge.md).
         transport.write(render(reply, close=head.close))  # a HEAD's headers are a GET's
         if count and sock is not None and transport.get_write_buffer_size() == 0:
             sent = sendfile_now(sock.fileno(), hit.fd, offset, count)
             offset, count = offset + sent, count - sent
         if not count:
-            if corked:
-                _cork(sock, False)
             os.close(hit.fd)
             self._sent(head)
             return
         # the socket is full: the rest is sent as it drains, and the requests after this
         # one wait for it (aiohttp's shutdown waits for it as for one of its own)
         self._sending = self._request_in_progress = True
-        task = asyncio.get_running_loop().create_task(
-            self._send_rest(head, hit, offset, count, sock if corked else None)
-        )
+        task = asyncio.get_running_loop().create_task(self._send_rest(head, hit, offset, count))
         task.add_done_callback(_seen)
 
-    async def _send_rest(self, head: Head, hit: Hit, offset: int, count: int,
-                         corked: Any) -> None:  # fmt: skip
+    async def _send_rest(self, head: Head, hit: Hit, offset: int, count: int) -> None:
         try:
             transport = self.transport
             if transport is None:
@@ -275,8 +268,6 @@ class HitHandler(RequestHandler):
             except (OSError, RuntimeError):  # the client went away
                 return
         finally:
-            if corked is not None:
-                _cork(corked, False)
             os.close(hit.fd)
             self._sending = self._request_in_progress = False
             if self._handler_waiter is not None and not self._handler_waiter.done():
@@ -300,20 +291,6 @@ class HitHandler(RequestHandler):
             )
             return
         super()._process_keepalive()
-
-
-def _cork(sock: Any, on: bool) -> bool:
-    """TCP_CORK on or off (off sends what it held); False where there is none."""
-    if not _TCP_CORK:  # not Linux
-        return False
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, _TCP_CORK, on)
-    except OSError:  # not TCP, or the client went away
-        return False
-    return True
-
-
-_TCP_CORK = getattr(socket, "TCP_CORK", 0)
 
 
 def _seen(task: asyncio.Task[None]) -> None:
