@@ -21,6 +21,12 @@ Only where :data:`AVAILABLE`: the x86 gather intrinsics compile nowhere else, so
 callers keep a scalar kernel for other hosts (and for a numba told to compile for
 another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
 
+:data:`fvec` is sixteen float32 lanes, with ``+``, ``*``, :func:`fsplat`,
+:func:`fload` and :func:`fstore`, for kernels whose sums must stay in registers
+(LLVM keeps a numba array in memory, and will not block a loop over tokens by
+itself). These are plain LLVM vector operations: they compile on every host, so
+need no :data:`AVAILABLE`.
+
 Indices are element indices into 1-D arrays, signed 32-bit in the instructions, so
 callers keep every gathered array under 2^31 elements.
 
@@ -254,3 +260,88 @@ def put_values(typingctx, out, at, n, mean, scale, params_at):
         return context.get_dummy_value()
 
     return types.none(out, at, n, mean, scale, params_at), codegen
+
+
+# Sixteen float32 lanes. Plain LLVM vector arithmetic, so these compile on any host
+# (two or four registers where a register holds fewer lanes); no gather, no
+# AVAILABLE to check. Each operation rounds each lane once, as float32 arithmetic
+# does: a multiply and an add are two instructions, never fused.
+
+
+class _Floats(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name=f"f32x{W}")
+
+
+fvec = _Floats()
+
+
+@register_model(_Floats)
+class _FloatsModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type) -> None:
+        super().__init__(dmm, fe_type, _VF)
+
+
+@intrinsic
+def fsplat(typingctx, x):
+    """``x`` (rounded to float32) in every lane."""
+    if not isinstance(x, (types.Float, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        value = context.cast(builder, args[0], sig.args[0], types.float32)
+        undef = ir.Constant(_VF, ir.Undefined)
+        first = builder.insert_element(undef, value, _I32(0))
+        return builder.shuffle_vector(first, undef, ir.Constant(_VT, [0] * W))
+
+    return fvec(x), codegen
+
+
+@intrinsic
+def fload(typingctx, arr, at):
+    """``arr``'s float32 elements ``at .. at + W`` (counted from its first)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VF)
+        return builder.load(p, align=4)
+
+    return fvec(arr, at), codegen
+
+
+@intrinsic
+def fstore(typingctx, arr, at, value):
+    """``arr``'s float32 elements ``at .. at + W`` (counted from its first) = ``value``."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+        return None
+    if not isinstance(value, _Floats):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VF)
+        builder.store(args[2], p, align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, at, value), codegen
+
+
+def _floatwise(op, emit):
+    @intrinsic
+    def impl(typingctx, a, b):
+        if not (isinstance(a, _Floats) and isinstance(b, _Floats)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return emit(builder, args[0], args[1])
+
+        return fvec(a, b), codegen
+
+    @overload(op)
+    def _on_floats(a, b):
+        if isinstance(a, _Floats) and isinstance(b, _Floats):
+            return lambda a, b: impl(a, b)
+
+
+_floatwise(operator.add, lambda b, x, y: b.fadd(x, y))
+_floatwise(operator.mul, lambda b, x, y: b.fmul(x, y))

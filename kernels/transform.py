@@ -26,7 +26,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import parallel
+from . import parallel, simd
+
+BLOCK = 2 * simd.W  # outputs a token's sums are computed in at once, where D is a multiple
 
 
 def rope_tables(inv_freq: np.ndarray, first: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -75,26 +77,72 @@ def synthesise(y: np.ndarray, mt: np.ndarray, rotate: np.ndarray, cos: np.ndarra
 @njit(cache=True, nogil=True, error_model="numpy")
 def _synthesise(start, end, y, mt, rotate, cos, sin, out):  # pragma: no cover - jitted
     G, T, D = y.shape
-    half = D // 2
-    acc = np.empty(D, dtype=np.float32)
+    z = np.empty((2, D), dtype=np.float32)  # two tokens' sums, before the rotary step
+    if D % BLOCK:
+        for g in range(start, end):
+            for t in range(T):
+                _sums(y, mt, g, t, z[0])
+                _put(g, t, z[0], rotate, cos, sin, out)
+        return
+    # Two tokens and BLOCK outputs at a time, their sums held in registers: each row
+    # of the matrix read is used twice, and no sum goes to memory between two terms.
+    # The terms are added in the same order as one by one.
+    flat = mt.reshape(-1)
+    zs = z.reshape(-1)
     for g in range(start, end):
-        m = mt[g]
-        for t in range(T):
-            for d in range(D):
-                acc[d] = np.float32(0.0)
-            for j in range(D):
-                v = y[g, t, j]
-                for d in range(D):
-                    acc[d] = acc[d] + m[j, d] * v
-            if rotate[g]:
-                for i in range(half):
-                    c, s = cos[t, i], sin[t, i]
-                    a, b = acc[i], acc[i + half]
-                    out[g, t, i] = c * a - s * b
-                    out[g, t, i + half] = s * a + c * b
-            else:
-                for d in range(D):
-                    out[g, t, d] = acc[d]
+        rows = g * D * D
+        t = 0
+        while t + 1 < T:
+            for d in range(0, D, BLOCK):
+                a0 = a1 = b0 = b1 = simd.fsplat(0.0)
+                for j in range(D):
+                    m0 = simd.fload(flat, rows + j * D + d)
+                    m1 = simd.fload(flat, rows + j * D + d + simd.W)
+                    u = simd.fsplat(y[g, t, j])
+                    v = simd.fsplat(y[g, t + 1, j])
+                    a0 = a0 + m0 * u
+                    a1 = a1 + m1 * u
+                    b0 = b0 + m0 * v
+                    b1 = b1 + m1 * v
+                simd.fstore(zs, d, a0)
+                simd.fstore(zs, d + simd.W, a1)
+                simd.fstore(zs, D + d, b0)
+                simd.fstore(zs, D + d + simd.W, b1)
+            _put(g, t, z[0], rotate, cos, sin, out)
+            _put(g, t + 1, z[1], rotate, cos, sin, out)
+            t += 2
+        if t < T:
+            _sums(y, mt, g, t, z[0])
+            _put(g, t, z[0], rotate, cos, sin, out)
+
+
+@njit(inline="always", nogil=True, error_model="numpy")
+def _sums(y, mt, g, t, z):  # pragma: no cover - jitted
+    """``z[d] = sum_j mt[g, j, d] y[g, t, j]``, the terms added in increasing ``j``."""
+    D = z.shape[0]
+    for d in range(D):
+        z[d] = np.float32(0.0)
+    for j in range(D):
+        v = y[g, t, j]
+        for d in range(D):
+            z[d] = z[d] + mt[g, j, d] * v
+
+
+@njit(inline="always", nogil=True, error_model="numpy")
+def _put(g, t, z, rotate, cos, sin, out):  # pragma: no cover - jitted
+    """Token ``t``'s values from its sums ``z``: the rotary embedding put back where
+    ``rotate[g]``, else ``z`` as it is."""
+    D = z.shape[0]
+    half = D // 2
+    if rotate[g]:
+        for i in range(half):
+            c, s = cos[t, i], sin[t, i]
+            a, b = z[i], z[i + half]
+            out[g, t, i] = c * a - s * b
+            out[g, t, i + half] = s * a + c * b
+    else:
+        for d in range(D):
+            out[g, t, d] = z[d]
 
 
 def warm_up() -> None:
