@@ -21,10 +21,10 @@ Only where :data:`AVAILABLE`: the x86 gather intrinsics compile nowhere else, so
 callers keep a scalar kernel for other hosts (and for a numba told to compile for
 another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
 
-:data:`fvec` is sixteen float32 lanes, with ``+``, ``*``, :func:`fsplat`,
-:func:`fload` and :func:`fstore`, for kernels whose sums must stay in registers
-(LLVM keeps a numba array in memory, and will not block a loop over tokens by
-itself). These are plain LLVM vector operations: they compile on every host, so
+:data:`fvec` is sixteen float32 lanes, with :func:`fadd`, :func:`fmul`,
+:func:`fsplat`, :func:`fload` and :func:`fstore`, for kernels whose sums must stay
+in registers (LLVM keeps a numba array in memory, and will not block a loop over
+tokens by itself). These are plain LLVM vector operations: they compile on every host, so
 need no :data:`AVAILABLE`.
 
 Indices are element indices into 1-D arrays, signed 32-bit in the instructions, so
@@ -326,7 +326,10 @@ def fstore(typingctx, arr, at, value):
     return types.none(arr, at, value), codegen
 
 
-def _floatwise(op, emit):
+def _floatwise(emit):
+    """A two-operand lane-wise intrinsic on :data:`fvec`. A function, not an operator:
+    every ``+`` a numba kernel types would try another overload."""
+
     @intrinsic
     def impl(typingctx, a, b):
         if not (isinstance(a, _Floats) and isinstance(b, _Floats)):
@@ -337,11 +340,8 @@ def _floatwise(op, emit):
 
         return fvec(a, b), codegen
 
-    @overload(op)
-    def _on_floats(a, b):
-        if isinstance(a, _Floats) and isinstance(b, _Floats):
-            return lambda a, b: impl(a, b)
+    return impl
 
 
-_floatwise(operator.add, lambda b, x, y: b.fadd(x, y))
-_floatwise(operator.mul, lambda b, x, y: b.fmul(x, y))
+fadd = _floatwise(lambda b, x, y: b.fadd(x, y))
+fmul = _floatwise(lambda b, x, y: b.fmul(x, y))
