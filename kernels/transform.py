@@ -78,21 +78,17 @@ def synthesise(y: np.ndarray, mt: np.ndarray, rotate: np.ndarray, cos: np.ndarra
 def _synthesise(start, end, y, mt, rotate, cos, sin, out):  # pragma: no cover - jitted
     G, T, D = y.shape
     z = np.empty((2, D), dtype=np.float32)  # two tokens' sums, before the rotary step
-    if D % BLOCK:
-        for g in range(start, end):
-            for t in range(T):
-                _sums(y, mt, g, t, z[0])
-                _put(g, t, z[0], rotate, cos, sin, out)
-        return
-    # Two tokens and BLOCK outputs at a time, their sums held in registers: each row
-    # of the matrix read is used twice, and no sum goes to memory between two terms.
-    # The terms are added in the same order as one by one.
+    # Where D is a multiple of BLOCK: two tokens and BLOCK outputs at a time, their
+    # sums held in registers, so each row of the matrix read is used twice and no sum
+    # goes to memory between two terms. The terms are added in the same order as one
+    # by one, which takes the tokens left (and every token of other heads' sizes).
+    blocked = D % BLOCK == 0
     flat = mt.reshape(-1)
     zs = z.reshape(-1)
     for g in range(start, end):
         rows = g * D * D
         t = 0
-        while t + 1 < T:
+        while blocked and t + 1 < T:
             for d in range(0, D, BLOCK):
                 a0 = a1 = b0 = b1 = simd.fsplat(0.0)
                 for j in range(D):
@@ -111,9 +107,9 @@ def _synthesise(start, end, y, mt, rotate, cos, sin, out):  # pragma: no cover -
             _put(g, t, z[0], rotate, cos, sin, out)
             _put(g, t + 1, z[1], rotate, cos, sin, out)
             t += 2
-        if t < T:
-            _sums(y, mt, g, t, z[0])
-            _put(g, t, z[0], rotate, cos, sin, out)
+        for left in range(t, T):
+            _sums(y, mt, g, left, z[0])
+            _put(g, left, z[0], rotate, cos, sin, out)
 
 
 @njit(nogil=True, error_model="numpy")
