@@ -2,13 +2,13 @@
 
     python bench/progressive.py [--docs FILE ...] [--context-tokens 2048] [--design]
                                 [--base-bits 1.4] [--contexts] [--transforms]
-                                [--klt | --profile FILE] [--json OUT.json]
+                                [--channels | --profile FILE] [--json OUT.json]
 
 On documents that are not calibration texts (bash(1) from character 60,000, curl(1),
 grep(1), and a seed text where it exists, as ``bench/codec.py``), every level of both
 layouts of the codec profile, from **real objects** (256-token chunks): the
 independent ladder (``kvcdn-rans-v1``, one object a level) and the nested ladder
-(``kvcdn-nested-v1``, one object a chunk, each level the index and its tiers); bits
+(one object a chunk, each level the index and its tiers); bits
 per element of what a reader of the level fetches, the model's mean next-token KL and
 perplexity change over the next 257 tokens against the exact KV, and decode speed
 (fp16-equivalent MB/s, best of 3 after a warm-up, of bytes already checked against
@@ -49,12 +49,14 @@ step, its KL and perplexity measured on the held-out documents and its bits code
 with tables from the calibration texts, then compared at the held-out KL of today's
 ``default`` and ``low`` (the real objects' in the same run, else 2026-11-28's).
 
-``--klt`` measures the real objects of a profile whose nested ladder codes each
-head's KLT coefficients (``kvcdn-nested-klt-v1``, keys taken back before RoPE),
-calibrated in the run on the bundled texts (``--profile FILE``: one made before, e.g.
-by ``kvcdn calibrate --transform --out FILE``); its independent levels are the same as
-the model's own profile's (the ladder is calibrated the same way), so the table
-compares the transformed nested ladder with today's independent levels.
+The real objects are those of the model's own profile: for the embedded model the
+bundled one, whose nested ladder codes each head's KLT coefficients
+(``kvcdn-nested-klt-v1``, keys taken back before RoPE), as ``kvcdn calibrate`` makes
+by default. ``--channels`` measures instead a profile whose nested ladder codes the
+channels (``kvcdn-nested-v1``, ``kvcdn calibrate --no-transform``), calibrated in the
+run on the bundled texts (minutes); ``--profile FILE`` one made before. Both
+calibrate the independent ladder the same way, so each table compares its nested
+ladder with the same independent levels.
 
 Writes a table and ``bench/results/progressive.json`` (or ``--json``).
 """
@@ -97,12 +99,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--transforms", action="store_true",
                    help="also measure transforms before quantisation (keys before RoPE, a KLT "
                         "per head) at the same KL")
-    p.add_argument("--klt", action="store_true",
-                   help="the real objects of a profile whose nested ladder codes KLT "
-                        "coefficients (`kvcdn calibrate --transform`), calibrated now on the "
-                        "bundled texts (minutes), or read from --profile")
+    p.add_argument("--channels", action="store_true",
+                   help="the real objects of a profile whose nested ladder codes channels "
+                        "(`kvcdn calibrate --no-transform`), calibrated now on the bundled "
+                        "texts (minutes)")
     p.add_argument("--profile", type=Path, metavar="FILE",
-                   help="use this codec profile file (e.g. `kvcdn calibrate --transform "
+                   help="use this codec profile file (e.g. `kvcdn calibrate --no-transform "
                         "--out FILE`) instead of the model's own")
     p.add_argument("--no-real", action="store_true",
                    help="skip the real objects (with --design, --contexts or --transforms)")
@@ -160,22 +162,20 @@ def main() -> int:
 
 
 def _profile(args: argparse.Namespace, model: Any) -> Any:
-    """The profile of ``--profile``, else with ``--klt`` one calibrated now with the
-    transform, else None (the model's own)."""
+    """The profile of ``--profile``, else with ``--channels`` one calibrated now with
+    the nested ladder of channels, else None (the model's own)."""
     from kvcdn.calibrate import calibrate
     from kvcdn.codec_profile import parse_profile
 
     if args.profile is not None:
         profile = parse_profile(args.profile.read_bytes(), name=str(args.profile))
         profile.check_model(model.fingerprint, str(args.profile))
-        if args.klt and (profile.nested is None or profile.nested.transform is None):
-            raise SystemExit(f"{args.profile} has no nested transform")
         return profile
-    if not args.klt:
+    if not args.channels:
         return None
     started = time.perf_counter()
-    profile = calibrate(model, transform=True)
-    log(f"calibrated a transformed profile in {time.perf_counter() - started:.0f} s")
+    profile = calibrate(model, transform=False)
+    log(f"calibrated a profile of channels in {time.perf_counter() - started:.0f} s")
     return profile
 
 

@@ -562,7 +562,7 @@ def refresh(
     multiple=True,
     type=click.Path(path_type=Path),
     help="Calibration text (repeatable; each needs about 2,300 tokens or more). "
-    "[default: the bundled man pages]",
+    "[default: the bundled texts: three manual pages, Python prose and Python code]",
 )
 @click.option(
     "--out",
@@ -573,12 +573,14 @@ def refresh(
 )
 @click.option(
     "--transform/--no-transform",
-    default=False,
+    default=True,
     show_default=True,
-    help="Code the nested ladder's KLT coefficients instead of its channels: each "
+    help="Code the nested ladder's KLT coefficients (kvcdn-nested-klt-v1): each "
     "head's keys taken back before RoPE and turned by the eigenvectors of its "
-    "Fisher-weighted covariance. About a fifth fewer bits at the same quality; "
-    "readers need a kvcdn that knows the kvcdn-nested-klt-v1 codec.",
+    "Fisher-weighted covariance, about a fifth fewer bits than its channels at the "
+    "same quality. --no-transform codes the channels (kvcdn-nested-v1): a fifth "
+    "faster to decode on a CPU, and readable by kvcdn releases older than the "
+    "transform.",
 )
 @store_option
 @endpoint_option

@@ -1,6 +1,6 @@
 """Calibration: measure a model's KV once and derive its codec profile.
 
-1. Prefill each calibration text (bundled man pages unless the caller gives
+1. Prefill each calibration text (the bundled texts unless the caller gives
    others) and run its continuation on the exact KV: the reference.
 2. Sensitivity, a Fisher-information proxy: the squared gradient, with
    respect to every KV element, of the log-likelihood of continuations
@@ -69,7 +69,7 @@ def calibrate(
     sinks: int = DEFAULT_SINKS,
     levels: Sequence[str] = tuple(LADDER),
     nested_tiers: Sequence[str] = NESTED_TIERS,
-    transform: bool = False,
+    transform: bool = True,
     progress: ProgressFn | None = None,
 ) -> CodecProfile:
     """Measure ``model`` on ``texts`` (name -> text) and return its codec profile, with

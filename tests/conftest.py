@@ -57,6 +57,25 @@ def profile(_isolated_home, model):
 
 
 @pytest.fixture(scope="session")
+def channels_profile(_isolated_home, model):
+    """The embedded profile with a nested ladder of channels (kvcdn-nested-v1, what
+    ``kvcdn calibrate --no-transform`` makes): its transform taken off. Its steps and
+    tables were planned for KLT coefficients, which is no matter to the tests of the
+    channels' codec (its arithmetic, what a reader fetches, damage), only to quality."""
+    import dataclasses
+
+    from kvcdn.codec_profile import parse_profile
+    from kvcdn.profile_store import ensure_profile
+    from kvcdn.store import open_store
+
+    # not the `profile` fixture: tests/test_nested.py names this one `profile`
+    profile, _ = ensure_profile(open_store("memory://conftest-profile"), model)
+    assert profile.nested is not None and profile.nested.transform is not None
+    nested = dataclasses.replace(profile.nested, transform=None)
+    return parse_profile(dataclasses.replace(profile, nested=nested).to_bytes())
+
+
+@pytest.fixture(scope="session")
 def random_llama(tmp_path_factory, model) -> Path:
     """A random-weight Llama folder with 4 KV heads and a 40K context window
     (:mod:`tests.random_llama`), built once per session: a query head a KV head, which

@@ -69,7 +69,7 @@ def test_calibrate_json_of_a_real_profile(profile, model):
 
 def test_calibrate_stores_the_profile_and_writes_it_out(random_llama, tmp_path):
     """`kvcdn calibrate --out` writes the very profile it stores (what `make
-    embedded-profile` ships), with `--transform` one whose nested ladder codes KLT
+    embedded-profile` ships), by default one whose nested ladder codes KLT
     coefficients; an --out folder that is not there is refused before the model is
     measured."""
     import hashlib
@@ -86,7 +86,7 @@ def test_calibrate_stores_the_profile_and_writes_it_out(random_llama, tmp_path):
     assert bad.exit_code == 2 and "does not exist" in bad.output, bad.output
     assert not (tmp_path / "store").exists()
     out = tmp_path / "profile.safetensors"
-    made = runner.invoke(cli, [*args, "--out", str(out), "--transform", "--json"])
+    made = runner.invoke(cli, [*args, "--out", str(out), "--json"])
     assert made.exit_code == 0, made.output
     data = parsed("calibrate", made.stdout)
     written = out.read_bytes()
@@ -95,7 +95,7 @@ def test_calibrate_stores_the_profile_and_writes_it_out(random_llama, tmp_path):
     stored, ref = current_profile(open_store(str(tmp_path / "store")), profile.model_fingerprint)
     assert ref.sha256 == stored.sha256 == profile.sha256
     assert profile.calibration["texts"] == ["sed-manual"]
-    # --transform: the nested ladder codes KLT coefficients, keys before RoPE
+    # by default (--transform) the nested ladder codes KLT coefficients, keys before RoPE
     assert profile.nested.transform is not None and profile.nested.transform.inv_freq is not None
 
 

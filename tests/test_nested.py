@@ -1,6 +1,7 @@
-"""The nested ladder codec (kvcdn-nested-v1) on the embedded model's real profile: every
-tier as its specification says, bit for bit; a reader of tier k fetches the base and
-refinements 1..k and nothing else; damage is caught before use."""
+"""The nested ladder codec of channels (kvcdn-nested-v1) on the embedded model's real
+profile (its transform taken off): every tier as its specification says, bit for bit;
+a reader of tier k fetches the base and refinements 1..k and nothing else; damage is
+caught before use."""
 
 from __future__ import annotations
 
@@ -21,12 +22,19 @@ from kvcdn.codec import (
     read_part,
     tier_bytes,
 )
-from kvcdn.codec_profile import LADDER, NESTED_TIERS, parse_profile
+from kvcdn.codec_profile import NESTED_TIERS, parse_profile
 from kvcdn.codecs import TensorDest
 from kvcdn.container import Part, pack_sections, parse_index, unpack
 from kvcdn.errors import FormatError, IntegrityError
 
 HASH = "cd" * 32
+
+
+@pytest.fixture(scope="module")
+def profile(channels_profile):
+    """The codec tested here is the channels' (tests/conftest.py); the embedded profile as
+    shipped is tested in tests/test_nested_transform.py."""
+    return channels_profile
 
 
 @pytest.fixture(scope="module")
@@ -56,25 +64,6 @@ def _spec_values(profile, kv: torch.Tensor, k: int) -> np.ndarray:
     return (mean[:, None] + (n * up_k[:, None]).astype(np.float32) * fine[:, None]).astype(
         np.float32
     )
-
-
-def test_the_profile_holds_a_nested_ladder_with_measured_tiers(profile) -> None:
-    spec = profile.nested
-    assert spec is not None and spec.tiers == NESTED_TIERS
-    q = spec.quality
-    bits = [q[t]["bits_per_element"] for t in spec.tiers]
-    kls = [q[t]["kl"] for t in spec.tiers]
-    assert bits == sorted(bits) and kls == sorted(kls, reverse=True)  # each tier adds
-    assert bits[0] <= 1.6  # the rung below lowest, for the slowest links
-    for tier in spec.tiers[1:]:
-        # each refinement is as good as the independent level of its name, measured on
-        # real objects (10% for the steps' rounding to 4 significant bits after planning)
-        independent = profile.levels[tier].quality
-        assert q[tier]["kl"] <= 1.1 * min(independent["kl"], LADDER[tier]), (tier, q[tier])
-        # and costs at most 10% more than it (the price of nesting)
-        assert q[tier]["bits_per_element"] <= 1.1 * independent["bits_per_element"], tier
-    again = parse_profile(profile.to_bytes())
-    assert again.nested is not None and np.array_equal(again.nested.depth, spec.depth)
 
 
 def test_every_tier_decodes_to_its_specified_values(profile, doc_kv, nested_object) -> None:
@@ -299,14 +288,15 @@ def test_nested_objects_refuse_what_does_not_fit(profile, nested_object) -> None
 
 
 def test_a_nested_publication_is_one_object_a_chunk_and_each_level_reads_its_tiers(
-    model, profile, sed_text, tmp_path
+    model, sed_text, tmp_path
 ) -> None:
-    """Published with ``levels="nested"``: every level of a chunk names one object; an
-    edge warms it once for all levels; a load at a level fetches exactly the index and
-    that level's tiers of each chunk (counted by a real edge) and holds what decoding
-    those tiers gives."""
+    """Published with ``levels="nested"`` (the ladder the embedded profile holds, of KLT
+    coefficients): every level of a chunk names one object; an edge warms it once for
+    all levels; a load at a level fetches exactly the index and that level's tiers of
+    each chunk (counted by a real edge) and holds what decoding those tiers gives."""
     from kvcdn.catalog import read_manifest
     from kvcdn.models import kv_from_cache
+    from kvcdn.profile_store import load_profile
     from kvcdn.publish import publish
     from kvcdn.sdk import load_context
     from kvcdn.sdk.edges import warm_keys
@@ -318,6 +308,7 @@ def test_a_nested_publication_is_one_object_a_chunk_and_each_level_reads_its_tie
     result = publish(text=text, name="sed-nested", model=model, store=str(root), levels="nested")
     store = open_store(str(root))
     manifest = read_manifest(store, "sed-nested", None)
+    profile = load_profile(store, manifest.codec_profile)
     assert [n for n in manifest.levels if n != "text"] == list(NESTED_TIERS)
     chunks = manifest.chunks
     assert result.uploaded_objects == len(chunks) and result.reused_objects == 0

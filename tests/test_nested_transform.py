@@ -2,8 +2,9 @@
 keys taken back before RoPE, coded where the channels were. Every tier decodes to the
 values docs/format.md specifies, to the bit; a tensor- or pipeline-parallel rank's
 part decodes as the whole does; objects say where they start, and a reader refuses
-what does not fit its profile; the calibration that makes the transform meets its
-targets with fewer bits than the channels' (tests/test_calibrate.py)."""
+what does not fit its profile; the embedded profile (this ladder, as `kvcdn calibrate`
+makes by default) holds measured tiers, and the calibration that makes the transform
+meets its targets with fewer bits than the channels' (tests/test_calibrate.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from kvcdn.codec import decode_chunk, decode_into, encode_chunk, nested_level
-from kvcdn.codec_profile import NESTED_TIERS, NestedTransform, parse_profile
+from kvcdn.codec_profile import LADDER, NESTED_TIERS, parse_profile
 from kvcdn.codecs import TensorDest
 from kvcdn.container import Part, pack_sections, unpack
 from kvcdn.errors import FormatError, InputError
@@ -73,21 +74,31 @@ def test_keys_are_taken_back_before_rope_as_the_model_turned_them(model) -> None
 
 
 @pytest.fixture(scope="module")
-def klt(profile, model) -> object:
-    """The embedded profile with a transform of random well-conditioned matrices (a
-    fixed seed) and the model's rotary frequencies: what is tested here is the codec's
-    arithmetic, which does not depend on the matrices being a KLT."""
-    from kvcdn.calibrate import _rotary_frequencies
+def klt(profile) -> object:
+    """The embedded profile, whose nested ladder codes KLT coefficients (`make
+    embedded-profile`, as `kvcdn calibrate` makes profiles by default)."""
+    assert profile.nested is not None and profile.nested.transform is not None
+    return profile
 
-    L, H, D = model.layout.layers, model.layout.kv_heads, model.layout.head_dim
-    rng = np.random.default_rng(3)
-    q, _ = np.linalg.qr(rng.standard_normal((L * 2 * H, D, D)))
-    synthesis = (q * rng.uniform(0.5, 2.0, (L * 2 * H, D, 1))).astype(np.float32)
-    transform = NestedTransform(mean=np.zeros((L, 2, H, D), dtype=np.float32),
-                                synthesis=synthesis.reshape(L, 2, H, D, D),
-                                inv_freq=_rotary_frequencies(model, D))  # fmt: skip
-    nested = dataclasses.replace(profile.nested, transform=transform)
-    return parse_profile(dataclasses.replace(profile, nested=nested).to_bytes())
+
+def test_the_profile_holds_a_nested_ladder_with_measured_tiers(klt) -> None:
+    profile = klt
+    spec = profile.nested
+    assert spec is not None and spec.tiers == NESTED_TIERS
+    q = spec.quality
+    bits = [q[t]["bits_per_element"] for t in spec.tiers]
+    kls = [q[t]["kl"] for t in spec.tiers]
+    assert bits == sorted(bits) and kls == sorted(kls, reverse=True)  # each tier adds
+    assert bits[0] <= 1.6  # the rung below lowest, for the slowest links
+    for tier in spec.tiers[1:]:
+        # each refinement is as good as the independent level of its name, measured on
+        # real objects (10% for the steps' rounding to 4 significant bits after planning)
+        independent = profile.levels[tier].quality
+        assert q[tier]["kl"] <= 1.1 * min(independent["kl"], LADDER[tier]), (tier, q[tier])
+        # and costs at most 10% more than it (the price of nesting)
+        assert q[tier]["bits_per_element"] <= 1.1 * independent["bits_per_element"], tier
+    again = parse_profile(profile.to_bytes())
+    assert again.nested is not None and np.array_equal(again.nested.depth, spec.depth)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +188,9 @@ def test_values_of_groups_in_any_order_use_each_group_s_own_matrix(klt) -> None:
         assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), gids
 
 
-def test_objects_and_profiles_that_do_not_fit_are_refused(klt, profile, doc_kv) -> None:
+def test_objects_and_profiles_that_do_not_fit_are_refused(klt, channels_profile, doc_kv
+                                                          ) -> None:  # fmt: skip
+    profile = channels_profile
     chunk = doc_kv[:, :, :, 256:512].contiguous()
     data = encode_chunk(nested_level("default", klt), chunk, HASH, profile=klt, start=256)
     plain = encode_chunk(nested_level("default", profile), chunk, HASH, profile=profile,
