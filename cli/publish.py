@@ -577,9 +577,9 @@ def refresh(
     show_default=True,
     help="Code the nested ladder's KLT coefficients (kvcdn-nested-klt-v1): each "
     "head's keys taken back before RoPE and turned by the eigenvectors of its "
-    "Fisher-weighted covariance, about a fifth fewer bits than its channels at the "
-    "same quality. --no-transform codes the channels (kvcdn-nested-v1): a fifth "
-    "faster to decode on a CPU, and readable by kvcdn releases older than the "
+    "Fisher-weighted covariance: a sixth to a fifth fewer bits than its channels at "
+    "the same quality. --no-transform codes the channels (kvcdn-nested-v1): 1.1-1.5x "
+    "as fast to decode on a CPU, and readable by kvcdn releases older than the "
     "transform.",
 )
 @store_option
