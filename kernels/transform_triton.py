@@ -61,6 +61,21 @@ def synthesise(y: torch.Tensor, mt: torch.Tensor, rotate: torch.Tensor, cos: tor
     )  # fmt: skip
 
 
+def warm_up(device: str | torch.device, dim: int) -> None:
+    """Compile (or load from Triton's cache) the kernel for groups of ``dim`` channels on
+    ``device``, so that a process's first transformed chunk does not wait for it: for
+    token counts that are a multiple of 16 and that are not, which Triton compiles
+    apart (a chunk's count is either). Nothing where the kernel does not take ``dim``."""
+    if not supports(dim):
+        return
+    for tokens in (16, 12):
+        y = torch.zeros((1, tokens, dim), device=device)
+        mt = torch.zeros((1, dim, dim), device=device)
+        tables = torch.zeros((tokens, dim // 2), device=device)
+        synthesise(y, mt, torch.ones(1, dtype=torch.int32, device=device), tables, tables,
+                   torch.empty_like(y))  # fmt: skip
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the bytes ``a`` and ``b`` span (first to last element) intersect."""
 

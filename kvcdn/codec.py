@@ -505,7 +505,8 @@ def warm_up(device: str = "cpu", dtype: Any = None, dim: int = 64) -> None:
     numba's cache: the rANS decoders, the transformed ladder's inverse, and the casts
     of :mod:`kvcdn.kernels.cast`) and, on a CUDA device,
     the Triton decoders (independent and nested, about 0.5 s each) for ``dtype``
-    outputs of ``dim`` channels. Once per process, device and dtype."""
+    outputs of ``dim`` channels, and the transformed ladder's Triton inverse. Once per
+    process, device and dtype."""
     import torch
 
     dtype = dtype or torch.float32
@@ -521,8 +522,9 @@ def warm_up(device: str = "cpu", dtype: Any = None, dim: int = 64) -> None:
             transform.warm_up()
             _warmed.add(("cpu", ""))  # the compiled kernels are the process's
         if key[0] == "cuda" and key not in _warmed and rans.triton_available():
-            from kvcdn.kernels import nested_triton, rans_triton
+            from kvcdn.kernels import nested_triton, rans_triton, transform_triton
 
             rans_triton.warm_up(device, dtype, dim)
             nested_triton.warm_up(device, dtype, dim)
+            transform_triton.warm_up(device, dim)  # the KLT ladder's inverse
             _warmed.add(key)

@@ -345,6 +345,7 @@ def _interpret(jobs: Path) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from kvcdn.kernels import transform_triton
 
+    transform_triton.warm_up("cpu", 64)  # runs, for both kinds of token count
     for path in sorted(jobs.glob("*.in.npz")):
         job = {k: torch.from_numpy(v) for k, v in np.load(path).items()}
         wide = job["y"]  # the coefficients are a strided view, as a decode's are
