@@ -577,10 +577,10 @@ def refresh(
     show_default=True,
     help="Code the nested ladder's KLT coefficients (kvcdn-nested-klt-v1): each "
     "head's keys taken back before RoPE and turned by the eigenvectors of its "
-    "Fisher-weighted covariance: 14-29% fewer bits than its channels at the same "
-    "quality (the embedded model). --no-transform codes the channels (kvcdn-nested-v1): 1.1-1.5x "
-    "as fast to decode on a CPU, and readable by kvcdn releases older than the "
-    "transform.",
+    "Fisher-weighted covariance: 14-29% fewer bits than its channels for the same "
+    "quality targets (the embedded model). --no-transform codes the channels "
+    "(kvcdn-nested-v1): 1.1-1.5x as fast to decode on a CPU, and readable by kvcdn "
+    "releases older than the transform.",
 )
 @store_option
 @endpoint_option
