@@ -41,7 +41,7 @@ from .loader import (
     open_reader,
     resolve_manifest,
 )
-from .planner import INITIAL_BPS, HarmonicPredictor, Policy, ThroughputPredictor, plan
+from .planner import INITIAL_BPS, HarmonicPredictor, Policy, ThroughputPredictor
 from .stats import ReaderStats, lookup_failure
 from .targets import CacheTarget, TensorTarget
 
@@ -260,7 +260,8 @@ class Client:
 
         ``predictor`` replaces the link's throughput predictor (by default
         the client's for this link: RobustMPC's harmonic mean), and ``policy``
-        the planner (:func:`kvcdn.sdk.planner.plan`). ``cancel_late_fetches``:
+        the planner (:func:`kvcdn.sdk.planner.plan`; for a nested publication
+        with ``refine``, :func:`kvcdn.sdk.planner.fetch_first`). ``cancel_late_fetches``:
         a fetch that can no longer make the deadline is abandoned and its chunk
         planned again (False for policies that never revisit a choice, such as
         CacheGen's controller). ``refine``: with a deadline, once every chunk has
@@ -506,7 +507,7 @@ class _Loading:
         caches = self.client._caches
         plan_ = load_into(
             target, manifest, loaded, self.reader, quality=quality, deadline_s=deadline_s,
-            started=started, seconds=seconds, predictor=predictor, policy=policy or plan,
+            started=started, seconds=seconds, predictor=predictor, policy=policy,
             cancel_late_fetches=cancel_late_fetches, refine=refine, profiles=caches.profiles,
             speeds=caches.speeds, rejected_since=self._rejected_before,
         )  # fmt: skip

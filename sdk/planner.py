@@ -394,6 +394,37 @@ def base_first(
     return Plan(chosen, finish, True)
 
 
+def fetch_first(
+    chunks: Sequence[ChunkChoice],
+    predictor: ThroughputPredictor,
+    deadline_s: float | None,
+    busy: Busy = IDLE,
+) -> Plan:
+    """:func:`plan`'s choice among the fetched levels only, where that is predicted to meet
+    the deadline; else :func:`plan`'s choice with recomputing.
+
+    For a nested publication, whose loaded chunks the load's refinements raise while
+    the deadline allows: a chunk fetched at a low level costs quality only until it is
+    refined, where recomputing it holds the device for as long as a dozen decodes (on
+    2 CPUs, a 256-token chunk's recompute ~1 s, a decode ~30 ms), and every chunk that
+    arrives meanwhile waits to be decoded behind it, and refinement with it.
+
+    Before the link has given a sample (a predictor that counts them, such as
+    :class:`HarmonicPredictor`, at ``samples == 0``), its estimate is a prior, and a
+    recompute once started cannot be taken back: the fetches go first, at the fastest
+    levels that prior allows, and the plan made at the first sample decides."""
+    fetched = [
+        ChunkChoice(c.index, c.tokens, options)
+        for c in chunks
+        if (options := tuple(o for o in c.options if o.level != TEXT))
+    ]
+    if len(fetched) == len(chunks):
+        choice = plan(fetched, predictor, deadline_s, busy)
+        if choice.feasible or getattr(predictor, "samples", 1) == 0:
+            return choice
+    return plan(chunks, predictor, deadline_s, busy)
+
+
 def _text_first(
     chunks: Sequence[ChunkChoice],
     chosen: dict[int, Option],

@@ -321,6 +321,14 @@ def test_a_nested_publication_is_one_object_a_chunk_and_each_level_reads_its_tie
     keys, size = warm_keys(manifest)
     assert len(keys) == len(chunks) + 1  # the objects and the codec profile, once each
     _hostile_tiers_are_refused(manifest)
+    # an adaptive load of it refines, so its first pass leaves quality to refinement
+    # rather than recompute (docs/streaming.md, "Refinement"); without refining, the
+    # planner's own
+    from kvcdn.sdk.loader import default_policy
+    from kvcdn.sdk.planner import fetch_first, plan
+
+    assert default_policy(manifest, refine=True) is fetch_first
+    assert default_policy(manifest, refine=False) is plan
     edge = EdgeProcess(str(root), tmp_path / "cache", None).start()
     try:
         status, _ = post_json(f"{edge.url}/warm", {"keys": keys})

@@ -17,6 +17,7 @@ from kvcdn.sdk.planner import (
     Option,
     Refinement,
     base_first,
+    fetch_first,
     next_refinement,
     plan,
 )
@@ -247,6 +248,29 @@ def test_base_first_takes_every_chunk_s_smallest_level_unless_that_misses() -> N
     # the bases alone miss: the planner's own choice (text first, where it helps)
     slow = FixedLink(1e6)
     assert base_first(cs, slow, deadline_s=2.0).choices == plan(cs, slow, 2.0).choices
+
+
+def test_fetch_first_recomputes_only_where_fetching_alone_misses() -> None:
+    cs = chunks(8)
+    link = FixedLink(20e6)  # all nearlossless (23 MB) would take 1.16 s
+    # the planner recomputes the first chunk: it loses no quality and saves link time
+    assert plan(cs, link, deadline_s=0.8).choices[0].level == TEXT
+    p = fetch_first(cs, link, deadline_s=0.8)
+    assert p.feasible and TEXT not in {o.level for o in p.choices.values()}
+    assert finish_time(cs, p.choices, link) <= 0.8 + 1e-9
+    # fetching alone cannot meet the deadline: the planner's choice, recomputing
+    dead = FixedLink(1_000.0)
+    assert fetch_first(cs[:4], dead, deadline_s=3.0).choices == plan(cs[:4], dead, 3.0).choices
+    # on a prior (no sample of the link yet) it fetches at the fastest levels, whatever
+    # the prior predicts: a recompute started on a prior cannot be taken back
+    prior = HarmonicPredictor(1_000.0)
+    p = fetch_first(cs[:4], prior, deadline_s=3.0)
+    assert not p.feasible and {o.level for o in p.choices.values()} == {"lowest"}
+    prior.observe(1_000, 1.0)  # the link said it is this slow: recompute
+    assert fetch_first(cs[:4], prior, 3.0).choices == plan(cs[:4], prior, 3.0).choices
+    # a chunk with no fetched level: the planner's choice
+    only_text = [ChunkChoice(9, 256, (Option(TEXT, 0, 1.0, 0.64),))]
+    assert fetch_first(only_text, link, 1.0).choices == plan(only_text, link, 1.0).choices
 
 
 def test_a_refinement_is_started_only_where_it_fits_and_gains_most_per_second() -> None:
