@@ -2,13 +2,14 @@
 
 The planner weighs fetching a chunk (link time, then decoding) against
 recomputing it from its tokens (device time). Both device costs are measured
-here on the real model and codec: recomputing 256 tokens after a 256-token
-and after a 1,024-token context (recompute time grows with the context a
-chunk attends to, linearly in the attention), and each level's
-encode-then-decode of one 256-token chunk. Results are cached per model
+here on the real model and codec: recomputing 256 and 64 tokens after a
+256-token and after a 1,024-token context (recompute time grows with the
+context a chunk attends to, linearly in the attention, and every forward pass
+pays a fixed cost, its weights read once however few its tokens), and each
+level's encode-then-decode of one 256-token chunk. Results are cached per model
 fingerprint, device, level id and software versions in
 ``~/.cache/kvcdn/device-speed.json`` (``KVCDN_SPEED_CACHE`` overrides), so a
-device pays the measurement (a few seconds; 8 s on a 2-CPU AMD EPYC) on its first
+device pays the measurement (a few seconds; 10-12 s on a 2-CPU AMD EPYC) on its first
 adaptive load only: a load at one level weighs nothing and measures nothing.
 """
 
@@ -36,18 +37,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Recompute speed is measured for this many tokens after each of these contexts.
+#: Recompute speed is measured for this many tokens after each of these contexts ...
 MEASURE_TOKENS = 256
 MEASURE_CONTEXTS = (256, 1024)
-CACHE_FORMAT = "2"
+#: ... and for this many, to tell a forward pass's fixed cost from its cost a token
+#: (a question's forward pass is this short; a chunk's 256 tokens hide the fixed cost).
+MEASURE_SHORT_TOKENS = 64
+CACHE_FORMAT = "3"  # "3": with s_per_forward
 
 
 @dataclass
 class DeviceSpeed:
     """Measured device costs: decode seconds per token by level id, and recompute cost.
 
-    Recomputing costs ``s_per_token + s_per_token_context * context`` seconds
-    per token, ``context`` being the tokens it attends to.
+    A forward pass over ``tokens`` costs ``s_per_forward`` (the weights read once,
+    however few its tokens: most of a short question's time on a CPU) plus
+    ``s_per_token + s_per_token_context * context`` seconds per token, ``context``
+    being the tokens it attends to.
     """
 
     s_per_token: float
@@ -55,13 +61,22 @@ class DeviceSpeed:
     decode_s_per_token: dict[str, float] = field(default_factory=dict)
     #: False for :func:`assumed_speed`'s figures: no prediction is made from them
     measured: bool = True
+    s_per_forward: float = 0.0
+    #: What this process's loads have shown of the device against these figures
+    #: (contention with the fetches beside it, clocks), as factors on each: a load
+    #: starts from what the last one learnt and goes on correcting it. Not cached: it
+    #: describes the process's conditions, not the device.
+    decode_factor: float = 1.0
+    recompute_factor: float = 1.0
 
     def decode_seconds(self, level_id: str, tokens: int) -> float:
         return self.decode_s_per_token[level_id] * tokens
 
     def recompute_seconds(self, tokens: int, context: int = 0) -> float:
-        """Seconds to recompute ``tokens`` tokens that follow ``context`` cached tokens."""
-        return tokens * (self.s_per_token + self.s_per_token_context * (context + tokens / 2))
+        """Seconds of one forward pass over ``tokens`` tokens that follow ``context``
+        cached tokens (a chunk recomputed, a question asked)."""
+        per_token = self.s_per_token + self.s_per_token_context * (context + tokens / 2)
+        return self.s_per_forward + tokens * per_token
 
 
 #: Decode cost assumed where a device was never measured (an engine's load, which
@@ -88,6 +103,7 @@ def _filled_in(known: DeviceSpeed | None, manifest: Manifest) -> DeviceSpeed:
     speed = assumed_speed(manifest)
     if known is not None:
         speed.s_per_token, speed.s_per_token_context = known.s_per_token, known.s_per_token_context
+        speed.s_per_forward = known.s_per_forward
         speed.decode_s_per_token.update(known.decode_s_per_token)
     return speed
 
@@ -205,25 +221,21 @@ def _measure(
 
     started = time.perf_counter()
     ids = _measure_ids(loaded, max(MEASURE_CONTEXTS) + MEASURE_TOKENS)
-    per_token = []  # (mean context, seconds per token)
+    timed: dict[tuple[int, int], float] = {}  # (tokens, context) -> seconds of a forward
     kv = None
     for context in MEASURE_CONTEXTS:
         prefix = loaded.prefill(ids[:context])
-        timings = []
-        for _ in range(2):  # the first run also warms up
-            t = time.perf_counter()
-            kv = loaded.extend(prefix, ids[context : context + MEASURE_TOKENS])
-            _sync(loaded.device)
-            timings.append(time.perf_counter() - t)
-        per_token.append((context + MEASURE_TOKENS / 2, min(timings) / MEASURE_TOKENS))
+        for tokens in (MEASURE_SHORT_TOKENS, MEASURE_TOKENS):  # the chunk's kv last
+            timings = []
+            for _ in range(2):  # the first run also warms up
+                t = time.perf_counter()
+                kv = loaded.extend(prefix, ids[context : context + tokens])
+                _sync(loaded.device)
+                timings.append(time.perf_counter() - t)
+            timed[tokens, context] = min(timings)
     assert kv is not None
-    (c1, s1), (c2, s2) = per_token
-    slope = max(0.0, (s2 - s1) / (c2 - c1))
-    speed = DeviceSpeed(
-        s_per_token=max(s1 - slope * c1, 1e-9),
-        s_per_token_context=slope,
-        decode_s_per_token=dict(known.decode_s_per_token) if known else {},
-    )
+    speed = _fitted(timed)
+    speed.decode_s_per_token = dict(known.decode_s_per_token) if known else {}
     dtype = torch.float32 if loaded.device == "cpu" else next(loaded.model.parameters()).dtype
     out = torch.empty(kv.shape, dtype=dtype, device=loaded.device)
     for level_id, level in levels.items():
@@ -239,12 +251,35 @@ def _measure(
             runs.append(time.perf_counter() - t)
         speed.decode_s_per_token[level_id] = statistics.median(runs[1:]) / MEASURE_TOKENS
     log.info(
-        "measured this device in %.1f s: recompute %.0f tokens/s (after 1,024 tokens); decode %s",
+        "measured this device in %.1f s: recompute %.0f tokens/s (after 1,024 tokens), "
+        "%.0f ms a forward pass besides; decode %s",
         time.perf_counter() - started,
         MEASURE_TOKENS / speed.recompute_seconds(MEASURE_TOKENS, 1024),
+        speed.s_per_forward * 1e3,
         {k: f"{1 / v:.0f} tokens/s" for k, v in speed.decode_s_per_token.items()},
     )
     return speed
+
+
+def _fitted(timed: dict[tuple[int, int], float]) -> DeviceSpeed:
+    """The forward-pass model through the measured passes (``(tokens, context)`` ->
+    seconds): the context's cost from the long passes' two contexts, then the cost a
+    token and a pass's fixed cost from the long and the short pass at each context,
+    averaged over the contexts."""
+    n, m = MEASURE_TOKENS, MEASURE_SHORT_TOKENS
+    c1, c2 = MEASURE_CONTEXTS
+    slope = max(0.0, (timed[n, c2] - timed[n, c1]) / (n * (c2 - c1)))
+
+    def attention(tokens: int, context: int) -> float:
+        return slope * tokens * (context + tokens / 2)
+
+    per_token = statistics.mean(
+        (timed[n, c] - timed[m, c] - attention(n, c) + attention(m, c)) / (n - m)
+        for c in MEASURE_CONTEXTS
+    )
+    per_token = max(per_token, 1e-9)
+    fixed = statistics.mean(timed[m, c] - m * per_token - attention(m, c) for c in MEASURE_CONTEXTS)
+    return DeviceSpeed(per_token, slope, s_per_forward=max(fixed, 0.0))
 
 
 def _measure_ids(loaded: LoadedModel, n: int) -> list[int]:
@@ -273,10 +308,12 @@ def _read_cache(key: str) -> DeviceSpeed | None:
         if not isinstance(raw, dict):
             return None
         decode = {str(k): float(v) for k, v in raw["decode_s_per_token"].items() if v > 0}
-        speed = DeviceSpeed(float(raw["s_per_token"]), float(raw["s_per_token_context"]), decode)
+        speed = DeviceSpeed(float(raw["s_per_token"]), float(raw["s_per_token_context"]), decode,
+                            s_per_forward=float(raw["s_per_forward"]))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # no cache, or a damaged one: measure again
-    if not speed.s_per_token > 0 or not speed.s_per_token_context >= 0:
+    if not (speed.s_per_token > 0 and speed.s_per_token_context >= 0
+            and speed.s_per_forward >= 0):  # fmt: skip
         return None
     return speed
 
@@ -294,6 +331,7 @@ def _write_cache(key: str, speed: DeviceSpeed) -> None:
         everything[key] = {
             "s_per_token": speed.s_per_token,
             "s_per_token_context": speed.s_per_token_context,
+            "s_per_forward": speed.s_per_forward,
             "decode_s_per_token": speed.decode_s_per_token,
         }
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

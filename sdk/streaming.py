@@ -485,9 +485,10 @@ class Pipeline:
                 c.failed.append(f"{level}: {why}")
         self.meter = _LinkMeter(predictor)
         self.events: queue.Queue[_Event] = queue.Queue()
-        # device costs as measured, corrected by what this load's device work takes
-        self.decode_factor = 1.0
-        self.recompute_factor = 1.0
+        # device costs as measured, corrected by what the device work of this load (and
+        # of the loads before it with this speed) takes
+        self.decode_factor = speed.decode_factor
+        self.recompute_factor = speed.recompute_factor
         self._device_task: tuple[float, float] | None = None  # (started, predicted seconds)
         self.replans = 0
         # an event since the last plan may have changed it: planned again before use,
@@ -953,8 +954,10 @@ class Pipeline:
         ratio = min(4.0, max(0.25, seconds / predicted))
         if c.option.level == TEXT:
             self.recompute_factor = min(4.0, max(0.25, self.recompute_factor * ratio**0.5))
+            self.speed.recompute_factor = self.recompute_factor  # for the next load
         else:
             self.decode_factor = min(4.0, max(0.25, self.decode_factor * ratio**0.5))
+            self.speed.decode_factor = self.decode_factor
 
     def _cancel_late_fetch(self, now: float) -> bool:
         """If keeping the fetches in flight misses the deadline, cancel the one whose

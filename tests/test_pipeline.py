@@ -23,6 +23,16 @@ from kvcdn.errors import (
 from kvcdn.keys import manifest_key
 from kvcdn.models import kv_from_cache
 from kvcdn.publish import publish
+from kvcdn.sdk.devspeed import (
+    MEASURE_CONTEXTS,
+    MEASURE_SHORT_TOKENS,
+    MEASURE_TOKENS,
+    DeviceSpeed,
+    DeviceSpeeds,
+    _fitted,
+)
+from kvcdn.sdk.loader import default_policy
+from kvcdn.sdk.planner import plan
 from kvcdn.store import open_store
 
 QUESTION = "What is sed?"
@@ -313,6 +323,54 @@ def test_load_straight_into_gpu_memory(short_text, tmp_path):
     ctx = sdk.load_context("doc", store=str(tmp_path), model=gpu_model)
     assert ctx.cache.layers[0].keys.device.type == "cuda"
     assert ctx.generate(QUESTION, max_new_tokens=4).token_ids
+
+
+def test_an_independent_ladder_is_loaded_by_the_planner(published):
+    """Nothing of an independent ladder's load is refined: the planner's own first pass."""
+    root, _, _ = published
+    manifest = sdk.load_context("sed-manual", store=str(root), quality="int8").manifest
+    assert default_policy(manifest, refine=True) is plan
+
+
+def test_the_device_model_recovers_a_forward_pass_fixed_cost():
+    """The fit through the measured passes gives back the model they were made of."""
+    truth = DeviceSpeed(2e-3, 1e-6, s_per_forward=0.2)
+    timed = {(n, c): truth.recompute_seconds(n, c)
+             for n in (MEASURE_SHORT_TOKENS, MEASURE_TOKENS) for c in MEASURE_CONTEXTS}  # fmt: skip
+    fitted = _fitted(timed)
+    assert fitted.s_per_token == pytest.approx(2e-3)
+    assert fitted.s_per_token_context == pytest.approx(1e-6)
+    assert fitted.s_per_forward == pytest.approx(0.2)
+
+
+def test_the_device_model_predicts_a_question_after_the_document(model, published):
+    """A deadline keeps room for the question's forward pass. On a CPU most of a short
+    pass is a fixed cost (the weights read once), which a cost a token fitted on
+    256-token chunks left out: a 64-token question after 3,000 tokens was predicted
+    at 0.33 s and took 0.55-0.66 s, so adaptive loads planned to finish too late. The
+    measured model predicts the question's time to its first token within 1.6x."""
+    root, _, _ = published
+    ctx = sdk.load_context("sed-manual", store=str(root), model=model, quality="fp16")
+    speed, _ = DeviceSpeeds().get(model, ctx.manifest, None)
+    ctx.generate(QUESTION, max_new_tokens=1)  # warm
+    took = min(ctx.generate(QUESTION, max_new_tokens=1).ttft_s for _ in range(3))
+    tokens = len(model.question_ids(QUESTION))
+    predicted = speed.recompute_seconds(tokens, len(ctx.token_ids))
+    assert took / 1.6 < predicted < took * 1.6, (predicted, took, speed)
+
+
+def test_a_client_keeps_what_its_loads_learnt_of_the_device(model, published):
+    """A load corrects the measured device speeds by what its own device work takes, and
+    the client's next load starts from that correction; it describes this process's
+    conditions, so it is not cached for other processes."""
+    root, _, _ = published
+    with sdk.Client(store=str(root), warm=False) as client:
+        ctx = client.load_context("sed-manual", model=model, deadline_s=60)
+        assert any(c.level != "text" for c in ctx.plan.chunks)  # it decoded something
+        speed, _ = client._caches.speeds.get(model, ctx.manifest, None)
+        assert speed.decode_factor != 1.0
+    fresh, _ = DeviceSpeeds().get(model, ctx.manifest, None)
+    assert fresh.decode_factor == 1.0 and fresh.s_per_token == speed.s_per_token
 
 
 def test_a_deadline_does_not_count_loading_the_model(model, short_text, tmp_path):
