@@ -20,10 +20,15 @@ trace at that offset (``POST /shaping``), with:
 - ``oracle``: the planner with a predictor that knows the trace (the future
   bandwidth), with no error margin;
 - ``nested``: the same document published with the nested ladder (``--levels
-  nested``: one object a chunk, each level a prefix of its tiers), loaded as
-  ``kvcdn`` is, plus refinement: once every chunk has its level, chunks are
-  raised to better levels while the deadline allows, fetching only the tiers
-  they lack;
+  nested``: one object a chunk, each level a prefix of its tiers), with the
+  SDK's defaults for it: the first pass by
+  :func:`kvcdn.sdk.planner.fetch_first` (the planner among fetched levels,
+  recomputing only where fetching alone misses), then refinement: once every
+  chunk has its level, chunks are raised to better levels while the deadline
+  allows, fetching only the tiers they lack;
+- ``nested-planner``: the nested publication, the first pass by the planner
+  (:func:`kvcdn.sdk.planner.plan`, recomputing where that saves time, as for
+  ``kvcdn``), then refinement;
 - ``nested-base-first``: the nested publication, every chunk's base first
   (:func:`kvcdn.sdk.planner.base_first`), then refinement;
 - each fixed level (every chunk at that level);
@@ -57,7 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"
 QUESTION = "How do I use this command?"
 LEVELS = ("nearlossless", "high", "default", "low", "lowest")
-NESTED_METHODS = ("nested", "nested-base-first")
+NESTED_METHODS = ("nested", "nested-planner", "nested-base-first")
 NESTED_SUFFIX = "-nested"  # the nested publication of a document: its name and this
 METHODS = ("kvcdn", "cachegen", "oracle", *NESTED_METHODS, *LEVELS, "prefill")
 
@@ -342,6 +347,8 @@ def _run(
         kwargs = {"deadline_s": args.deadline}
         if method == "nested-base-first":
             kwargs["policy"] = base_first
+        elif method == "nested-planner":
+            kwargs["policy"] = plan
     else:
         kwargs = {"quality": method}
     t = time.perf_counter()
@@ -368,6 +375,9 @@ def _run(
         "refinements_dropped": p.refinements_dropped,
         "feasible": p.feasible,
         "wall_s": time.perf_counter() - t,
+        # each chunk's level and its (last) fetch or recompute's start and end, seconds
+        # from the call: where the load's time went
+        "chunks": [[c.level, round(c.start_s, 4), round(c.ready_s, 4)] for c in p.chunks],
     }
 
 
