@@ -436,7 +436,7 @@ def default_policy(manifest: Manifest, refine: bool) -> Policy:
     chunks of nested objects (``refine``), :func:`~kvcdn.sdk.planner.fetch_first`, which
     leaves what the deadline allows to refinement rather than recompute; else
     :func:`~kvcdn.sdk.planner.plan`. On ``bench/abr.py --deadline 2`` the nested
-    ladder met 100% of deadlines at quality 0.980 with the first, 87.5% at 0.974
+    ladder met 95.0% of deadlines at quality 0.979 with the first, 92.5% at 0.971
     with the second (docs/streaming.md)."""
     nested = any(ref.tiers is not None for c in manifest.chunks for ref in c.objects.values())
     return fetch_first if refine and nested else plan
