@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -307,13 +308,16 @@ def _read_cache(key: str) -> DeviceSpeed | None:
         raw = json.loads(cache_path().read_text()).get(key)
         if not isinstance(raw, dict):
             return None
-        decode = {str(k): float(v) for k, v in raw["decode_s_per_token"].items() if v > 0}
+        # JSON allows NaN and Infinity: a figure that is not finite is damage too
+        decode = {str(k): float(v) for k, v in raw["decode_s_per_token"].items()
+                  if math.isfinite(float(v)) and float(v) > 0}  # fmt: skip
         speed = DeviceSpeed(float(raw["s_per_token"]), float(raw["s_per_token_context"]), decode,
                             s_per_forward=float(raw["s_per_forward"]))  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # no cache, or a damaged one: measure again
-    if not (speed.s_per_token > 0 and speed.s_per_token_context >= 0
-            and speed.s_per_forward >= 0):  # fmt: skip
+    figures = (speed.s_per_token, speed.s_per_token_context, speed.s_per_forward)
+    if not (all(map(math.isfinite, figures)) and speed.s_per_token > 0
+            and speed.s_per_token_context >= 0 and speed.s_per_forward >= 0):  # fmt: skip
         return None
     return speed
 

@@ -30,6 +30,7 @@ from kvcdn.sdk.devspeed import (
     DeviceSpeed,
     DeviceSpeeds,
     _fitted,
+    _read_cache,
 )
 from kvcdn.sdk.loader import default_policy
 from kvcdn.sdk.planner import plan
@@ -341,6 +342,23 @@ def test_the_device_model_recovers_a_forward_pass_fixed_cost():
     assert fitted.s_per_token == pytest.approx(2e-3)
     assert fitted.s_per_token_context == pytest.approx(1e-6)
     assert fitted.s_per_forward == pytest.approx(0.2)
+
+
+def test_a_damaged_speed_cache_is_measured_again(tmp_path, monkeypatch):
+    """A cached figure that is not a finite, sensible number (JSON allows NaN and
+    Infinity) is damage: that entry is measured again, not planned with."""
+    path = tmp_path / "device-speed.json"
+    monkeypatch.setenv("KVCDN_SPEED_CACHE", str(path))
+    good = {"s_per_token": 2e-3, "s_per_token_context": 1e-6, "s_per_forward": 0.2,
+            "decode_s_per_token": {"a": 1e-4, "b": float("inf")}}  # fmt: skip
+    entries = {"good": good}
+    for name, value in (("inf", float("inf")), ("nan", float("nan")), ("neg", -1.0)):
+        entries[name] = {**good, "s_per_forward": value}
+    entries["old"] = {k: v for k, v in good.items() if k != "s_per_forward"}
+    path.write_text(json.dumps(entries))
+    speed = _read_cache("good")
+    assert speed is not None and speed.decode_s_per_token == {"a": 1e-4}
+    assert all(_read_cache(name) is None for name in ("inf", "nan", "neg", "old"))
 
 
 def test_the_device_model_predicts_a_question_after_a_measured_context(
