@@ -71,13 +71,15 @@ _INTERNALS = (
 )  # fmt: skip
 
 
-@dataclass
+@dataclass(frozen=True)
 class Head:
-    """A request head the hit path may answer: names of ``headers`` in lower case."""
+    """A request head the hit path may answer: names of ``headers`` in lower case;
+    ``raw`` its bytes (what the edge's answers are remembered by)."""
 
     method: str
     path: str
     headers: dict[str, str]
+    raw: bytes = b""
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -89,17 +91,31 @@ class Head:
 
 @dataclass
 class Hit:
-    """What :meth:`.server.Edge.hit` answers: the reply, and the open file it sends
-    (closed once sent)."""
+    """What :meth:`.server.Edge.hit` answers: the reply, the open file it sends
+    (closed once sent), and the reply's head up to its ``Date`` (:func:`render_fixed`)."""
 
     reply: Reply
     fd: int
+    fixed: bytes
+
+
+#: Heads up to this long are parsed once while they are among the last
+#: :data:`PARSED_HEADS` seen (a client asks with the same few heads again and again):
+#: at most 4 MiB of heads, whatever the requests.
+SHORT_HEAD = 1024
+PARSED_HEADS = 4096
 
 
 def parse_head(raw: bytes, *, max_line: int = 8190, max_headers: int = 100) -> Head | None:
     """``raw`` (a head up to and including its blank line) if it is strictly a bodyless
     ``GET`` or ``HEAD`` of a key-like path in HTTP/1.1, no line longer than
     ``max_line`` and at most ``max_headers`` fields; None for anything else."""
+    if len(raw) <= SHORT_HEAD:
+        return _parse_short(raw, max_line, max_headers)
+    return _parse(raw, max_line, max_headers)
+
+
+def _parse(raw: bytes, max_line: int, max_headers: int) -> Head | None:
     m = _HEAD.fullmatch(raw)
     if m is None:
         return None
@@ -119,29 +135,33 @@ def parse_head(raw: bytes, *, max_line: int = 8190, max_headers: int = 100) -> H
         return None
     if headers.get("connection", "keep-alive").lower() not in ("keep-alive", "close"):
         return None
-    return Head(m.group(1).decode("ascii"), m.group(2).decode("ascii"), headers)
+    return Head(m.group(1).decode("ascii"), m.group(2).decode("ascii"), headers, raw)
 
 
-def render(reply: Reply, *, close: bool) -> bytes:
-    """The status line and headers of ``reply``, as aiohttp would send them."""
+# a Head is frozen and its headers are only read: one parse serves every request alike
+_parse_short = functools.lru_cache(maxsize=PARSED_HEADS)(_parse)
+
+
+def render_fixed(reply: Reply) -> bytes:
+    """The status line and headers of ``reply`` as aiohttp would send them, up to its
+    ``Date`` (sent with the rest, :func:`_date_tail`, by :class:`HitHandler`)."""
     lines = [f"HTTP/1.1 {reply.status} {_REASONS[reply.status]}"]
     lines += [f"{k}: {v}" for k, v in reply.headers.items()]
     if reply.status != 304:
         lines += [f"Content-Type: {reply.content_type}", f"Content-Length: {reply.count}"]
-    lines += [f"Date: {_date()}", f"Server: {SERVER_SOFTWARE}"]
-    if close:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return ("\r\n".join(lines) + "\r\n").encode("latin-1")
 
 
-def _date() -> str:
-    """The ``Date`` header, formatted once a second."""
-    return _http_date(int(time.time()))
+def _date_tail(close: bool) -> bytes:
+    """The head's last lines (``Date``, ``Server``, a ``Connection: close``), formatted
+    once a second."""
+    return _date_tail_at(int(time.time()), close)
 
 
-@functools.lru_cache(maxsize=1)
-def _http_date(second: int) -> str:
-    return formatdate(second, usegmt=True)
+@functools.lru_cache(maxsize=2)
+def _date_tail_at(second: int, close: bool) -> bytes:
+    tail = f"Date: {formatdate(second, usegmt=True)}\r\nServer: {SERVER_SOFTWARE}\r\n"
+    return (tail + ("Connection: close\r\n\r\n" if close else "\r\n")).encode("latin-1")
 
 
 def supported(server: web.Server) -> bool:
@@ -239,7 +259,7 @@ class HitHandler(RequestHandler):
         sock = transport.get_extra_info("socket")
         # The head goes out on its own: corked to leave with the body's first bytes
         # (nginx's tcp_nopush), hits took twice the CPU (docs/edge.md).
-        transport.write(render(reply, close=head.close))  # a HEAD's headers are a GET's
+        transport.write(hit.fixed + _date_tail(head.close))  # a HEAD's headers are a GET's
         if count and sock is not None and transport.get_write_buffer_size() == 0:
             sent = sendfile_now(sock.fileno(), hit.fd, offset, count)
             offset, count = offset + sent, count - sent

@@ -34,10 +34,10 @@ from .admin import MAX_BODY, Admin
 from .auth import Access
 from .cache import DiskCache
 from .fill import MAX_STALE_S, POINTER_TTL_S, FetchError, Filler
-from .hits import Head, Hit, handler_factory
+from .hits import SHORT_HEAD, Head, Hit, handler_factory, render_fixed
 from .metrics import Metrics
 from .origin import Origin
-from .respond import answer, reply_for, s3_error
+from .respond import Reply, answer, reply_for, s3_error
 from .s3api import (
     ERROR_CODES,
     BucketView,
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 MAX_LINE = 8190
 MAX_FIELD = 8190
 MAX_HEADERS = 100  # in one request: ranges, auth, S3's signature headers fit easily
+#: Hit replies remembered by their heads (each at most SHORT_HEAD): a few MiB at most
+HIT_ANSWERS = 4096
 #: A connection that has sent no whole request for this long (since it opened, or
 #: since its last response) is closed: slow or silent clients hold no descriptor.
 IDLE_TIMEOUT_S = 15.0
@@ -98,6 +100,8 @@ class Edge:
         self.origins = origins
         self.trust = trust
         self.access = Access(read_token, admin_token, s3_keys, admin_open=admin_open)
+        #: :meth:`hit`'s replies by the head they answer (bounded: :data:`HIT_ANSWERS`)
+        self._hit_answers: dict[bytes, tuple[tuple[str, int], Reply, bytes]] = {}
         self.view = view or BucketView("kvcdn")
         self.shaper = shaper  # sends bodies no faster than a rate or a trace
         self.metrics = Metrics()
@@ -202,16 +206,26 @@ class Edge:
         copy = self.fill.cached(key, info)
         if copy is None:
             return None
-        control = cache_control(info, self.trust, self.fill.pointer_ttl_s)
-        reply = reply_for(head.header, key, copy.etag, copy.size, cache_control=control)
-        if reply.error is not None:  # 412, 416: aiohttp's, as their bodies are
-            os.close(copy.fd)
-            return None
+        # the reply is decided by the head and the object's ETag and size alone (and by
+        # this edge's settings, fixed): decided again only when one of them is new
+        answer = self._hit_answers.get(head.raw)
+        if answer is None or answer[0] != (copy.etag, copy.size):
+            control = cache_control(info, self.trust, self.fill.pointer_ttl_s)
+            reply = reply_for(head.header, key, copy.etag, copy.size, cache_control=control)
+            if reply.error is not None:  # 412, 416: aiohttp's, as their bodies are
+                os.close(copy.fd)
+                return None
+            answer = ((copy.etag, copy.size), reply, render_fixed(reply))
+            if 0 < len(head.raw) <= SHORT_HEAD:
+                if len(self._hit_answers) >= HIT_ANSWERS:
+                    self._hit_answers.clear()
+                self._hit_answers[head.raw] = answer
+        _, reply, fixed = answer
         self.metrics.hits += 1
         self.metrics.count_response(reply.status)
         if head.method != "HEAD" and reply.status != 304:
             self.metrics.bytes_served += reply.count
-        return Hit(reply, copy.fd)
+        return Hit(reply, copy.fd, fixed)
 
     async def _s3(self, request: web.Request, path: str) -> web.StreamResponse:
         bucket, _, s3_key = path.partition("/")
