@@ -79,7 +79,7 @@ class Head:
     method: str
     path: str
     headers: dict[str, str]
-    raw: bytes = b""
+    raw: bytes
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())

@@ -216,7 +216,7 @@ class Edge:
                 os.close(copy.fd)
                 return None
             answer = ((copy.etag, copy.size), reply, render_fixed(reply))
-            if 0 < len(head.raw) <= SHORT_HEAD:
+            if len(head.raw) <= SHORT_HEAD:
                 if len(self._hit_answers) >= HIT_ANSWERS:
                     self._hit_answers.clear()
                 self._hit_answers[head.raw] = answer
