@@ -16,6 +16,8 @@ from kvcdn.errors import NotFound
 from kvcdn.store import Cancel, check_endpoint_url, open_store
 
 from .cache import Spool, SpoolFull
+from .origin_errors import OriginFailed, OriginMissing, Unexpected
+from .presigned import PresignedGets
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +30,6 @@ LISTING_PIECE = 1 << 20  # bytes of a listing's body read at a time
 #: region (301, 400), a store that refuses query signatures (400, 403, 501).
 SIGNING_REFUSED = frozenset({301, 307, 400, 403, 501})
 PROBE_KEY = "kvcdn-edge-probe"  # signed, never fetched
-
-
-class OriginMissing(Exception):
-    """The origin says the key does not exist."""
-
-
-class OriginFailed(Exception):
-    """The origin could not be reached or answered with an error."""
-
-    def __init__(self, message: str, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.timeout = timeout
 
 
 class Origin(Protocol):
@@ -62,11 +52,12 @@ class StoreOrigin:
     """An object store (``s3://bucket/prefix`` or a folder) through kvcdn's store layer.
 
     Where the store gives presigned URLs (S3), an object is one GET on the edge's own
-    event loop, streamed into its spool as it arrives: no thread, no second event loop
-    (s3fs's) and no per-piece hand-over between them, which had cost a miss several
-    times nginx's CPU. Anything but a 200 or a 404 there (a bucket in another region,
-    a throttled request) is read once more through the store's client, with its
-    retries and redirects; so is every read of a folder store."""
+    event loop (:mod:`.presigned`), streamed into its spool as it arrives: no thread,
+    no second event loop (s3fs's) and no per-piece hand-over between them, which had
+    cost a miss several times nginx's CPU. Anything but a 200 with a length or a 404
+    there (a bucket in another region, a throttled request) is read once more through
+    the store's client, with its retries and redirects; so is every read of a folder
+    store."""
 
     def __init__(self, url: str, timeout_s: float, endpoint_url: str | None = None) -> None:
         self.url = url
@@ -76,7 +67,7 @@ class StoreOrigin:
         # The store's client blocks; its own pool keeps many fetches in flight
         # (the default executor has only a few threads, shared with hashing).
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="origin")
-        self._http = _HTTPReads(url, timeout_s, {})
+        self._gets = PresignedGets(url, timeout_s)
         self._presigned = True
         # the signer (a botocore client, ~0.1 s to make) is made now, not by the first miss
         self._store.presigned_get(PROBE_KEY)
@@ -87,8 +78,8 @@ class StoreOrigin:
             try:
                 # a redirect is not followed: where a store sends a signed request is the
                 # store client's business (region redirects), never an arbitrary host's
-                return await self._http.stream(signed, key, spool, redirects=False)
-            except _Unexpected as exc:
+                return await self._gets.fetch(signed, key, spool.write, spool.limit)
+            except Unexpected as exc:
                 if exc.status in SIGNING_REFUSED:
                     # the bucket is elsewhere, or the store does not take query signatures:
                     # the store's client (which follows redirects) reads from now on
@@ -137,15 +128,7 @@ class StoreOrigin:
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        await self._http.close()
-
-
-class _Unexpected(OriginFailed):
-    """An answer other than 200 or 404."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+        await self._gets.close()
 
 
 class _HTTPReads:
@@ -169,17 +152,16 @@ class _HTTPReads:
             )
         return self._session
 
-    async def stream(self, url: str, key: str, spool: Spool, *, redirects: bool = True
-                     ) -> None:  # fmt: skip
+    async def stream(self, url: str, key: str, spool: Spool) -> None:
         """GET ``url`` (the object ``key``) into ``spool``: :class:`OriginMissing` on a
-        404, :class:`_Unexpected` on another answer (a redirect, unless ``redirects``),
-        :class:`OriginFailed` when the request fails or sends more than the spool takes."""
+        404, :class:`Unexpected` on another answer, :class:`OriginFailed` when the
+        request fails or sends more than the spool takes."""
         try:
-            async with self.client().get(url, allow_redirects=redirects) as resp:
+            async with self.client().get(url) as resp:
                 if resp.status == 404:
                     raise OriginMissing(key)
                 if resp.status != 200:
-                    raise _Unexpected(
+                    raise Unexpected(
                         f"origin {self.origin} answered {resp.status} for {key}", resp.status
                     )
                 check_length(self.origin, resp, spool.limit, key)

@@ -264,6 +264,10 @@ class MisbehavingPresignedGets(RefusingQuerySignatures):
     every other request passed on to ``upstream`` (moto):
 
     - ``endless``: a 200 whose chunked body of zeros never ends (while the mode stays);
+    - ``too-long``: a 200 announcing a body of a TiB, zeros sent while the mode stays;
+    - ``short``: a 200 announcing 100 bytes more than the object, the connection closed
+      after the object;
+    - ``extra``: the object, then bytes beyond its ``Content-Length`` (16 KiB of zeros);
     - ``hang``: the headers never come (while the mode stays);
     - ``idle-close``: each GET passed on too, on connections kept alive (HTTP/1.1)
       but closed by the server after ``keepalive_timeout`` idle seconds, as S3's
@@ -289,13 +293,30 @@ class MisbehavingPresignedGets(RefusingQuerySignatures):
         # (until the mode changes: a test's end must not wait for these)
         while self.mode == "hang":
             await asyncio.sleep(0.05)
-        if self.mode == "endless":
+        if self.mode in ("endless", "too-long"):
             resp = web.StreamResponse()
-            resp.enable_chunked_encoding()
+            if self.mode == "endless":
+                resp.enable_chunked_encoding()
+            else:
+                resp.content_length = 1 << 40
             await resp.prepare(request)
             zeros = bytes(1 << 20)  # a body passes an object's limit (1 GiB) in seconds
-            while self.mode == "endless":
+            while self.mode in ("endless", "too-long"):
                 await resp.write(zeros)
+            return resp
+        if self.mode in ("short", "extra"):  # the object, as moto has it
+            async with aiohttp.ClientSession(auto_decompress=False) as session:
+                async with session.get(self.upstream + request.path_qs,
+                                       headers={"Host": request.host}) as upstream:  # fmt: skip
+                    body = await upstream.read()
+            resp = web.StreamResponse()
+            resp.content_length = len(body) + (100 if self.mode == "short" else 0)
+            await resp.prepare(request)
+            await resp.write(body)
+            assert request.transport is not None
+            if self.mode == "extra":
+                request.transport.write(bytes(16 << 10))
+            request.transport.close()
             return resp
         # idle-close: the object, from moto, the signed request passed on as it came
         async with aiohttp.ClientSession(auto_decompress=False) as session:
