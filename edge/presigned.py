@@ -16,21 +16,25 @@ It takes only the answer it can take whole and bounded, and parses it strictly:
   without control bytes, each ended by CRLF, the head at most :data:`MAX_HEAD`;
 * for a 200: one ``Content-Length`` (repeated only with the same value), no
   ``Transfer-Encoding``, and at most the spool's limit, refused before a body
-  byte is read; then exactly that many bytes.
+  byte is read; then exactly that many bytes (fewer fail the GET; bytes past them
+  are no answer to anything, and the connection goes with them).
 
 Anything else is not read: a 404 is :class:`~.origin.OriginMissing`, any other
 status (a redirect is never followed) or a 200 without a length is
 :class:`~.origin.Unexpected`, which the store origin answers by reading the
 object through the store's own client. A connection is reused (HTTP/1.1, no
-``Connection: close``) only after a whole answer with nothing after it; one the
-store closed while it sat idle is dialled again once, before anything of the
-answer came.
+``Connection: close``) only after a whole answer with nothing after it, and only if
+nothing (bytes or its end) has come on it since; one the store closed while it sat
+idle is dialled again once, before anything of the answer came. A connection the
+edge ends is aborted, not closed: TLS's close would wait for the store's
+close_notify, up to 30 s a miss.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import select
 import socket
 import ssl
 import time
@@ -51,7 +55,9 @@ IDLE_FOR_S = 15.0
 RESOLVED_FOR_S = 10.0  # a store host's addresses are looked up again after this
 
 _STATUS = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
-_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*")
+# The value is taken greedily and trimmed after: a lazy value before optional
+# whitespace backtracks, quadratic in a run of spaces (a 32 KiB head: seconds).
+_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)")
 _URL_BYTES = re.compile(r"[\x21-\x7e]+")  # no space or control byte can reach a request
 
 
@@ -78,7 +84,7 @@ def parse_head(head: bytes) -> _Answer:
         field = _FIELD.fullmatch(line)
         if field is None:
             raise ValueError("a malformed header field")
-        name, value = field.group(1).lower(), field.group(2)
+        name, value = field.group(1).lower(), field.group(2).rstrip(b" \t")
         if name == b"content-length":
             if not value.isdigit() or len(value) > 18:
                 raise ValueError("a malformed Content-Length")
@@ -129,6 +135,8 @@ class _Connection(asyncio.BufferedProtocol):
         return self._view
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:  # what a closing transport still hands over (TLS does)
+            return
         if self._done is None or self._done.done():
             self._fail(OriginFailed("the store sent bytes nobody asked for"))
             return
@@ -203,29 +211,31 @@ class _Connection(asyncio.BufferedProtocol):
         return data
 
     def _take_body(self, data: memoryview) -> None:
-        n = len(data)
-        if n > self._left:
-            raise OriginFailed("the store sent more than the Content-Length it announced")
-        if n:
+        """The body's bytes go to the sink; past its length, nothing more is read and the
+        connection is not reused (what follows is no answer to anything)."""
+        extra = len(data) > self._left
+        if extra:
+            data = data[: self._left]
+        if data:
             assert self._sink is not None
             self._sink(data)
-            self._left -= n
+            self._left -= len(data)
         if self._left == 0:
             assert self._answer is not None
-            self._settle(self._answer, reuse=self._answer.reusable)
+            self._settle(self._answer, reuse=self._answer.reusable and not extra)
 
     def _settle(self, answer: _Answer, *, reuse: bool) -> None:
         assert self._done is not None
         self._sink = None
+        self._done.set_result(answer)
         if not reuse:
             self.close()
-        self._done.set_result(answer)
 
     def _fail(self, exc: BaseException) -> None:
         self._sink = None
-        self.close()
         if self._done is not None and not self._done.done():
             self._done.set_exception(exc)
+        self.close()
 
     def _lost(self, how: str) -> None:
         self.closed = True
@@ -233,10 +243,25 @@ class _Connection(asyncio.BufferedProtocol):
             left = f", {self._left} bytes of the body short" if self._answer else ""
             self._fail(_Closed(f"the store {how}{left}", before_answer=self.received == 0))
 
+    def quiet(self) -> bool:
+        """Whether nothing came since the last answer, not even the end: bytes a store
+        sent after an answer (queued before this connection's next GET is written)
+        would otherwise be read as that GET's answer."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return False
+        sock = self.transport.get_extra_info("socket")
+        try:
+            return sock is None or not select.select([sock], [], [], 0)[0]
+        except (OSError, ValueError):
+            return False
+
     def close(self) -> None:
+        """Ended at once: a GET never needs a graceful close, and TLS's waits up to
+        30 s for the store's close_notify, holding the descriptor (and re-entering
+        :meth:`buffer_updated` with what it still decrypts)."""
         self.closed = True
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
 
 class _Closed(OriginFailed):
@@ -269,11 +294,14 @@ class PresignedGets:
         than ``limit`` or takes longer than the timeout (with ``timeout`` set)."""
         parts = urlsplit(url)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
-        if parts.scheme not in ("http", "https") or not parts.hostname or not (
-            _URL_BYTES.fullmatch(target) and _URL_BYTES.fullmatch(parts.netloc)
-        ):  # fmt: skip
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            port = 0
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port or (
+            "@" in parts.netloc
+        ) or not (_URL_BYTES.fullmatch(target) and _URL_BYTES.fullmatch(parts.netloc)):  # fmt: skip
             raise OriginFailed(f"origin {self.origin} gave a URL that cannot be requested")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
         where = (parts.scheme, parts.hostname, port)
         request = (
             f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
@@ -332,7 +360,7 @@ class PresignedGets:
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: the likeliest still open
-            if not conn.closed and now - conn.idle_since < IDLE_FOR_S:
+            if now - conn.idle_since < IDLE_FOR_S and conn.quiet():
                 return conn
             conn.close()
         return None
