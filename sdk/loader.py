@@ -392,13 +392,14 @@ def load_into(
         log.warning("%s: %d chunk(s) loaded another way than planned: objects that could "
                     "not be used (see the load's report)", manifest.ref, refused)  # fmt: skip
     log.info(
-        "loaded %s (%s): %s; %d bytes; ready in %.2f s (predicted %.2f s with the answer)",
+        "loaded %s (%s): %s; %d bytes; ready in %.2f s%s",
         manifest.ref,
         quality,
         ", ".join(f"{n}×{lv}" for lv, n in Counter(plan.chunk_levels).items()),
         plan.bytes,
         plan.ready_s,
-        plan.predicted_ttft_s,
+        "" if plan.predicted_ttft_s is None  # the device was not measured: no prediction
+        else f" (predicted {plan.predicted_ttft_s:.2f} s with the answer)",
     )
     return plan
 
