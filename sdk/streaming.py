@@ -169,6 +169,7 @@ class _Chunk:
     refine_cancel: Cancel | None = None
     refine_read: PartRead | None = None  # the refinement's read, once fetched
     refine_stage: str = ""  # "fetching", "fetched" (waiting for the device), "decoding"
+    refine_started: float = 0.0  # when its refinement's fetch started (perf_counter)
     refined_from: list[str] = field(default_factory=list)
 
 
@@ -1064,24 +1065,19 @@ class Pipeline:
         cancel.limit(time.monotonic() + self.options.deadline_at - chosen.device_s
                      - time.perf_counter())  # fmt: skip
         c.refining, c.refine_cancel, c.refine_read = chosen.to, cancel, None
-        c.refine_stage = "fetching"
+        c.refine_stage, c.refine_started = "fetching", now
         self._refining = c
         log.debug("chunk %d: refining %s to %s (%d bytes)", c.entry.index, c.option and
                   c.option.level, chosen.to.level, chosen.bytes)  # fmt: skip
 
-        def on_bytes(n: int) -> None:
-            self.meter.add(n)
-
         def work() -> None:
             try:
                 read = read_more(self.reader, ref, held, name=f"object {ref.key}",
-                                 placement=self.placement, on_bytes=on_bytes,
-                                 cancel=cancel)  # fmt: skip
+                                 placement=self.placement, cancel=cancel)  # fmt: skip
                 self.events.put(_RefineEvent(c, cancel, read=read))
             except BaseException as exc:
                 self.events.put(_RefineEvent(c, cancel, error=exc))
 
-        self.meter.start(now)
         daemons.start(work, "kvcdn-refine")
 
     def _refine_decode(self, c: _Chunk, read: PartRead) -> None:
@@ -1119,7 +1115,12 @@ class Pipeline:
                 c.refining.level].key))  # fmt: skip
             return
         if event.seconds is None:  # fetched: the device decodes it when free
-            self.meter.tick(now, False)
+            # One sample of the whole fetch, not the first pass's windows: a refinement
+            # runs alone on the link, and a window of it that the controller looks at late
+            # (a busy host) would read as a stalled link, after which no refinement is
+            # predicted to fit and none is started that could show the link is back.
+            assert event.read is not None
+            self.predictor.observe(event.read.nbytes, now - c.refine_started)
             c.refine_read, c.refine_stage = event.read, "fetched"
             return
         assert c.option is not None
