@@ -40,19 +40,41 @@ from numba import njit
 from . import parallel
 from .nested import STATES, _pow3
 from .rans import PROB_BITS, RANS_L
-from .simd import W, gather, load, minimum, put_values, select, sra, store
+from .simd import W, gather, gather_pair, load, minimum, put_values, select, sra, store
 
 _MASK = (1 << PROB_BITS) - 1
 _SLOTS = 1 << PROB_BITS
 _MAX_ELEMENTS = 1 << 31  # the instructions' indices are signed 32-bit
+#: Words one read takes from a stream's clamped position on: the four a step of each
+#: state may need (the four states take at most one each before the next read).
+WORDS_READ = 4
+_SYMBOLS = 256  # a base table's symbols, at most (a decode table entry's 8 bits)
+
+
+def vector_tables(lut: np.ndarray, cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode tables as :func:`decode` reads them: each slot's symbol (``uint8
+    [n * 4096 + 3]``, a fourth of the packed tables, so that the tables a block of
+    groups uses stay in the L2 cache rather than in L3: a lookup was two thirds of the
+    base's time), and each symbol's ``freq - 1 << 8 | start << 20`` (``uint32 [n *
+    256]``). Made once per profile (``lut [n, 4096]``, ``cum [n, symbols]``: the packed
+    tables and their starts, :func:`kvcdn.kernels.nested.decode`'s)."""
+    lut = np.asarray(lut, dtype=np.uint32).reshape(-1, _SLOTS)
+    symbols = np.zeros(lut.size + 3, dtype=np.uint8)  # three more: each read takes four
+    symbols[: lut.size] = (lut & 0xFF).reshape(-1)
+    starts = np.full((len(lut), _SYMBOLS), _SLOTS, dtype=np.int64)
+    starts[:, : cum.shape[1]] = cum
+    freq = np.diff(starts, axis=1, append=np.full((len(lut), 1), _SLOTS))
+    # a symbol without slots (past the last one used) has an entry never read
+    info = ((freq - 1) & 0xFFF) << 8 | (starts & 0xFFF) << 20
+    return symbols, info.astype(np.uint32).reshape(-1)
 
 
 def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray,
            wend: np.ndarray) -> bool:  # fmt: skip
     """Whether :func:`decode` takes these arrays: a host with the instructions, a
     group row of whole vectors, contiguous within a token, tables and words that
-    32-bit indices reach, and a word after every stream's last (each read takes two
-    words: the codec's words end with a padding word)."""
+    32-bit indices reach, and three words after every stream's last (each read takes
+    four: the codec's words end with padding words)."""
     from .simd import AVAILABLE
 
     return (
@@ -65,35 +87,49 @@ def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray
         and out.strides[2] == out.itemsize
         and len(words) < _MAX_ELEMENTS
         and lut.size < _MAX_ELEMENTS
-        and int(np.maximum(wend - 1, wbeg).max(initial=0)) + 1 < len(words)
+        and int(np.maximum(wend - 1, wbeg).max(initial=0)) + WORDS_READ <= len(words)
     )
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _base_step(x, p, last, at, rows, low, lut, words, n, smask
+def _word(p, last, read, pair0, pair1):  # pragma: no cover - jitted
+    """``words[min(p, last)]`` of each lane from the four words read at ``read`` (``min``
+    of an earlier position and ``last``; ``p`` at most three past that position):
+    ``pair0`` the first two, ``pair1`` the next two."""
+    off = minimum(p, last) - read
+    pair = select(off >> 1, pair1, pair0)
+    return (pair >> ((off & 1) << 4)) & 0xFFFF
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _base_step(x, p, last, read, pair0, pair1, at, rows, low, symbols, info, n, smask
                ):  # pragma: no cover - jitted  # fmt: skip
-    """Lane ``at // W`` of every group from its states ``x`` (word position ``p``):
-    (new states, new position); the indices go to ``n[at:at + W]``, whose values at
-    the previous token choose each group's table (``rows[at:]``: the middle context's;
-    ``smask``: all ones where the context moves it by a table of ``sign(prev)``, else
-    0). Refinements never write this row, so it holds the previous token's indices."""
+    """Lane ``at // W`` of every group from its states ``x`` (word position ``p``, its
+    words read as :func:`_word` takes them): (new states, new position); the indices
+    go to ``n[at:at + W]``, whose values at the previous token choose each group's
+    table (``rows[at:]``: the middle context's; ``smask``: all ones where the context
+    moves it by a table of ``sign(prev)``, else 0). Refinements never write this row,
+    so it holds the previous token's indices."""
     prev = load(n, at)
     sign = (prev != 0) | sra(prev, 31)  # -1, 0 or 1 (wrapping)
     slot = x & _MASK
-    e = gather(lut, load(rows, at) + ((sign << PROB_BITS) & smask) + slot)
-    v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + (e >> 20)
+    table = load(rows, at) + ((sign << PROB_BITS) & smask)  # the table's first slot
+    symbol = gather(symbols, table + slot)
+    e = gather(info, (table >> (PROB_BITS - 8)) + symbol)  # the table's 256 entries
+    v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + slot - (e >> 20)
     take = v < RANS_L
-    w = gather(words, minimum(p, last))
-    index = (e & 0xFF) + load(low, at)
-    store(n, at, index)
+    w = _word(p, last, read, pair0, pair1)
+    store(n, at, symbol + load(low, at))
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _refine_step(x, p, last, at, coded, cuts, prev, words, n):  # pragma: no cover - jitted
+def _refine_step(x, p, last, read, pair0, pair1, at, coded, cuts, prev, n
+                 ):  # pragma: no cover - jitted  # fmt: skip
     """Coded lane ``at`` of a tier (``coded[at * W:]``: where each group's parent index
     lies in ``n``; ``prev[at * W:]`` its symbol at the previous token): (new states,
-    new position); the new indices go to ``n[at * W:]``. A ternary table is its two
+    new position; its words read as :func:`_word` takes them); the new indices go to
+    ``n[at * W:]``. A ternary table is its two
     cut points (``cuts[at * 9 * W:]``: ``first | second << 16`` per context ``3
     min(|parent|, 2) + prev``). A group past its last coded lane steps through a table
     of one symbol of probability 1, which leaves its state, and so its position, as
@@ -120,7 +156,7 @@ def _refine_step(x, p, last, at, coded, cuts, prev, words, n):  # pragma: no cov
     end = select(above_second, _SLOTS, select(above_first, second, first))
     v = (end - start) * (x >> PROB_BITS) + slot - start
     take = v < RANS_L
-    w = gather(words, minimum(p, last))
+    w = _word(p, last, read, pair0, pair1)
     store(prev, at * W, above_first + above_second)
     step = above_first + above_second - 1  # counted from the mean's side
     store(n, at * W, parent * 3 + step * (sign | 1))
@@ -128,8 +164,8 @@ def _refine_step(x, p, last, at, coded, cuts, prev, words, n):  # pragma: no cov
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mean, fine, top,
-                   depth, lo, base_tid, refine_tid, stride, out, status
+def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, symbols, info, cut_of, mean,
+                   fine, top, depth, lo, base_tid, refine_tid, stride, out, status
                    ):  # pragma: no cover  # fmt: skip
     """Blocks ``[b0, b1)`` of ``W`` groups (``order[b * W:]``), tiers ``0..k``."""
     G, T, D = out.shape
@@ -190,10 +226,18 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
             x0, x1, x2, x3 = load(xs, 0), load(xs, W), load(xs, 2 * W), load(xs, 3 * W)
             p, end = load(pos, 0), load(last, 0)
             for d in range(0, D, 4):
-                x0, p = _base_step(x0, p, end, d * W, rows, low, lut, words, n, smask)
-                x1, p = _base_step(x1, p, end, (d + 1) * W, rows, low, lut, words, n, smask)
-                x2, p = _base_step(x2, p, end, (d + 2) * W, rows, low, lut, words, n, smask)
-                x3, p = _base_step(x3, p, end, (d + 3) * W, rows, low, lut, words, n, smask)
+                # the next four words of each stream in two reads, before the steps
+                # that may take them (a read a step waited for the step before it)
+                read = minimum(p, end)
+                r0, r1 = gather_pair(words, read), gather_pair(words, read + 2)
+                x0, p = _base_step(x0, p, end, read, r0, r1, d * W, rows, low, symbols, info,
+                                   n, smask)  # fmt: skip
+                x1, p = _base_step(x1, p, end, read, r0, r1, (d + 1) * W, rows, low, symbols,
+                                   info, n, smask)  # fmt: skip
+                x2, p = _base_step(x2, p, end, read, r0, r1, (d + 2) * W, rows, low, symbols,
+                                   info, n, smask)  # fmt: skip
+                x3, p = _base_step(x3, p, end, read, r0, r1, (d + 3) * W, rows, low, symbols,
+                                   info, n, smask)  # fmt: skip
             store(xs, 0, x0)
             store(xs, W, x1)
             store(xs, 2 * W, x2)
@@ -206,13 +250,18 @@ def _decode_blocks(b0, b1, order, k, words, wbeg, wend, states, lut, cut_of, mea
                 p, end = load(pos, r * W), load(last, r * W)
                 a, e = r * D, r * D + steps[r]
                 while a < e:
-                    x0, p = _refine_step(x0, p, end, a, coded, cuts, prev, words, n)
+                    read = minimum(p, end)
+                    r0, r1 = gather_pair(words, read), gather_pair(words, read + 2)
+                    x0, p = _refine_step(x0, p, end, read, r0, r1, a, coded, cuts, prev, n)
                     if a + 1 < e:
-                        x1, p = _refine_step(x1, p, end, a + 1, coded, cuts, prev, words, n)
+                        x1, p = _refine_step(x1, p, end, read, r0, r1, a + 1, coded, cuts,
+                                             prev, n)  # fmt: skip
                     if a + 2 < e:
-                        x2, p = _refine_step(x2, p, end, a + 2, coded, cuts, prev, words, n)
+                        x2, p = _refine_step(x2, p, end, read, r0, r1, a + 2, coded, cuts,
+                                             prev, n)  # fmt: skip
                     if a + 3 < e:
-                        x3, p = _refine_step(x3, p, end, a + 3, coded, cuts, prev, words, n)
+                        x3, p = _refine_step(x3, p, end, read, r0, r1, a + 3, coded, cuts,
+                                             prev, n)  # fmt: skip
                     a += 4
                 store(xs, o, x0)
                 store(xs, o + W, x1)
@@ -249,13 +298,18 @@ def block_order(k: int, depth: np.ndarray) -> np.ndarray:
 def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states: np.ndarray,
            lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray,
            depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray,
-           stride: int, out: np.ndarray, status: np.ndarray) -> None:  # fmt: skip
+           stride: int, out: np.ndarray, status: np.ndarray,
+           tables: tuple[np.ndarray, np.ndarray] | None = None) -> None:  # fmt: skip
     """:func:`kvcdn.kernels.nested.decode`'s work on arrays it has checked and typed
-    (where :func:`usable`): each group's end check into ``status``."""
+    (where :func:`usable`): each group's end check into ``status``. ``tables``:
+    :func:`vector_tables` of ``lut`` and ``cum``, made now if not given."""
     G = out.shape[0]
+    symbols, info = tables if tables is not None else vector_tables(lut, cum)
+    if len(symbols) != lut.size + 3 or len(info) != lut.size // _SLOTS * _SYMBOLS:
+        raise ValueError("the vector tables are not those of these decode tables")
     cut_of = cum[:, 1] | (cum[:, 2] << 16)  # each (ternary) table's cut points
     parallel.run(
         _decode_blocks, -(-G // W), block_order(k, depth), k, words, wbeg, wend, states,
-        lut, cut_of, mean, fine, np.ascontiguousarray(depth[-1]), depth, lo, base_tid,
-        refine_tid, stride, out, status,
+        symbols, info, cut_of, mean, fine, np.ascontiguousarray(depth[-1]), depth, lo,
+        base_tid, refine_tid, stride, out, status,
     )  # fmt: skip

@@ -9,8 +9,8 @@ seventh of those loads here (0.15 against 1.07 ns an element, measured with four
 independent chains), so this module names the instructions itself: :data:`vec` is a
 numba type whose LLVM value is ``<16 x i32>``, the arithmetic operators work on it
 (lane by lane, unsigned, wrapping; an integer operand is broadcast), and
-:func:`gather`, :func:`load`, :func:`store`, :func:`select`, :func:`put_values` are
-the memory and blend operations, each one instruction or a few.
+:func:`gather`, :func:`gather_pair`, :func:`load`, :func:`store`, :func:`select`,
+:func:`put_values` are the memory and blend operations, each one instruction or a few.
 
 On a host with AVX2 but not AVX-512 (AMD's Zen 2 and 3, Intel's client cores) the
 sixteen lanes are two 256-bit registers and a gather is two eight-lane ``vpgatherdd``:
@@ -220,21 +220,38 @@ def _gather_dwords(builder, base, index, scale):
 
 @intrinsic
 def gather(typingctx, arr, index):
-    """``arr[index]`` in each lane, zero-extended (a 1-D array of 16- or 32-bit integers).
+    """``arr[index]`` in each lane, zero-extended (a 1-D array of 8-, 16- or 32-bit
+    integers).
 
-    A 16-bit element is read as the 32 bits at its place, and the upper half dropped:
-    its next element is read too, so a caller's index stays below the array's last
-    element (a padding element at the end, for one)."""
+    An 8- or 16-bit element is read as the 32 bits at its place, and the rest dropped:
+    the elements after it are read too, so a caller's index stays that far below the
+    array's end (padding elements at the end, for one)."""
     if not (isinstance(arr, types.Array) and isinstance(index, _Lanes)):
         return None
     bits = arr.dtype.bitwidth
-    if bits not in (16, 32):
+    if bits not in (8, 16, 32):
         return None
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         got = _gather_dwords(builder, builder.bitcast(data, _I8P), args[1], bits // 8)
-        return got if bits == 32 else builder.and_(got, _const(0xFFFF))
+        return got if bits == 32 else builder.and_(got, _const((1 << bits) - 1))
+
+    return vec(arr, index), codegen
+
+
+@intrinsic
+def gather_pair(typingctx, arr, index):
+    """``arr[index] | arr[index + 1] << 16`` in each lane (a 1-D array of 16-bit
+    integers): two elements in one read, so a caller's index stays below the array's
+    last element."""
+    if not (isinstance(arr, types.Array) and isinstance(index, _Lanes)
+            and arr.dtype.bitwidth == 16):  # fmt: skip
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return _gather_dwords(builder, builder.bitcast(data, _I8P), args[1], 2)
 
     return vec(arr, index), codegen
 

@@ -29,7 +29,7 @@ def streams(profile, model, sed_text) -> dict[str, np.ndarray]:
     states, words, start = nested.encode(x, mean, fine, depth, lo, size, base, refine, stride,
                                          profile.freqs)  # fmt: skip
     first = np.cumsum([0] + [len(w) for w in words])[:, None]
-    joined = np.concatenate([*words, np.zeros(2, np.uint16)])  # as the codec pads them
+    joined = np.concatenate([*words, np.zeros(4, np.uint16)])  # as the codec pads them
     joined.setflags(write=False)
     return {
         "words": joined, "wbeg": start[:, :-1] + first[:-1], "wend": start[:, 1:] + first[:-1],

@@ -163,7 +163,8 @@ class NestedCodec(Codec):
         body = dest.float32_array() if isinstance(dest, TensorDest) else None
         staged = np.empty((groups, tokens, dim), dtype=np.float32) if body is None else body
         try:
-            nested.decode(st.k, st.words, st.wbeg, st.wend, st.states, *tables, staged[:, s:])
+            nested.decode(st.k, st.words, st.wbeg, st.wend, st.states, *tables, staged[:, s:],
+                          vector_tables=_vector_tables(profile))  # fmt: skip
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
         if transform is not None:  # the coefficients' values, in place
@@ -172,6 +173,15 @@ class NestedCodec(Codec):
         if body is None:
             view = torch.from_numpy(staged).view(lp, 2, hp, tokens, dim)
             dest.window(s, tokens).write(view[:, :, :, s:])
+
+
+def _vector_tables(profile: CodecProfile) -> tuple[np.ndarray, np.ndarray]:
+    """The CPU vector kernel's form of the profile's decode tables, made once per profile
+    (about 40 ms)."""
+    from kvcdn.kernels import nested_simd
+
+    return profile.derived("nested-simd-tables", lambda: nested_simd.vector_tables(
+        profile.decode_tables(), profile.table_starts()))  # fmt: skip
 
 
 def transform_gpu(dim: int) -> bool:
@@ -211,7 +221,7 @@ class _Streams:
     sinks: int
     sink: np.ndarray  # float16 [groups, sinks, dim]
     states: np.ndarray  # [k + 1, groups, STATES]
-    words: np.ndarray  # uint16: every section, in tier order (plus one spare word)
+    words: np.ndarray  # uint16: every section, in tier order (plus four padding words)
     wbeg: np.ndarray  # [k + 1, groups]: where each group's stream of each tier begins
     wend: np.ndarray  # [k + 1, groups]: and ends
     gids: np.ndarray  # the groups' ids in the whole chunk
@@ -300,9 +310,9 @@ def _streams(
     if np.any(lengths != body + 2 * (nk + nv)):
         bad = ids[int(np.flatnonzero(lengths != body + 2 * (nk + nv))[0])]
         raise FormatError(f"{name}: section {bad}'s length is not what its counts say")
-    # every length is even; two padding words, so that a read clamped to an empty
-    # stream at the end, and the vector decoder's two-word reads, stay inside
-    words = np.frombuffer(b"".join([*raws, bytes(4)]), dtype="<u2")
+    # every length is even; four padding words, so that a read clamped to an empty
+    # stream at the end, and the vector decoder's four-word reads, stay inside
+    words = np.frombuffer(b"".join([*raws, bytes(8)]), dtype="<u2")
     first = np.zeros(len(raws), dtype=np.int64)  # each section's first word
     np.cumsum(lengths[:-1] // 2, out=first[1:])
     # the part's groups in order (layer, K/V, head), and each one's section in a tier
