@@ -17,9 +17,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -61,6 +64,34 @@ def bundled_texts() -> dict[str, str]:
     }
 
 
+@dataclass
+class Ladder:
+    """Steps 1-4 of a calibration (:func:`measure_ladder`): what every profile made from
+    the same texts shares, whatever its nested ladder codes."""
+
+    texts: list[str]
+    sinks: int
+    samples: list[Sample]
+    fisher: np.ndarray  # [L, 2, H, D]
+    body: np.ndarray  # the samples' KV after their sinks, [L, 2, H, T, D]
+    mean: np.ndarray
+    sd: np.ndarray
+    unit: np.ndarray
+    floor: np.ndarray
+    specs: dict[str, LevelSpec]
+    reached: dict[str, float]  # the KL of each level's chosen strength
+    measured: list[tuple[float, float]]  # (strength, KL) of every search step
+
+    def steps(self, strength: float) -> np.ndarray:
+        return _step_array(self.unit, self.floor, strength)
+
+
+def _step_array(unit: np.ndarray, floor: np.ndarray, strength: float) -> np.ndarray:
+    """Each stream's step at ``strength``: its unit times the strength, never below its
+    floor, rounded to 4 significant bits."""
+    return round_to_4_bits(np.maximum(strength * unit, np.maximum(floor, 1e-6)))
+
+
 def calibrate(
     model: LoadedModel,
     texts: dict[str, str] | None = None,
@@ -75,7 +106,25 @@ def calibrate(
     """Measure ``model`` on ``texts`` (name -> text) and return its codec profile, with
     the nested ladder's ``nested_tiers`` (none: a profile without one), coding each
     head's KLT coefficients where ``transform`` (:func:`klt_transform`), else its
-    channels."""
+    channels: :func:`measure_ladder`, then :func:`profile_of`."""
+    ladder = measure_ladder(model, texts, context_tokens=context_tokens, sinks=sinks,
+                            levels=levels, progress=progress)  # fmt: skip
+    return profile_of(model, ladder, nested_tiers=nested_tiers, transform=transform,
+                      progress=progress)  # fmt: skip
+
+
+def measure_ladder(
+    model: LoadedModel,
+    texts: dict[str, str] | None = None,
+    *,
+    context_tokens: int = CONTEXT_TOKENS,
+    sinks: int = DEFAULT_SINKS,
+    levels: Sequence[str] = tuple(LADDER),
+    progress: ProgressFn | None = None,
+) -> Ladder:
+    """Steps 1-4 of the module doc on ``texts`` (name -> text; default: the bundled
+    ones): the reference, the sensitivity, the streams' statistics and each of
+    ``levels``' steps."""
     import torch
 
     progress = progress or (lambda stage, done, total: None)
@@ -94,10 +143,7 @@ def calibrate(
     mean = body.mean(axis=3).astype(np.float32)  # [L, 2, H, D]
     sd = body.std(axis=3).astype(np.float64)
     unit, floor = step_scale(body, mean, fisher)
-
-    def steps(strength: float) -> np.ndarray:
-        return round_to_4_bits(np.maximum(strength * unit, np.maximum(floor, 1e-6)))
-
+    steps = partial(_step_array, unit, floor)
     specs: dict[str, LevelSpec] = {}
     measured: list[tuple[float, float]] = []  # (strength, KL) of every search step
     reached: dict[str, float] = {}  # the KL of each level's chosen strength
@@ -149,17 +195,38 @@ def calibrate(
         strength *= 1.3  # the next level is coarser: start the search above this one
     progress("search", total_steps, total_steps)
 
-    freqs, table_lo, table_size = _build_tables(specs, body, mean, sd)
+    return Ladder(sorted(texts), sinks, samples, fisher, body, mean, sd, unit, floor, specs,
+                  reached, measured)  # fmt: skip
+
+
+def profile_of(
+    model: LoadedModel,
+    ladder: Ladder,
+    *,
+    nested_tiers: Sequence[str] = NESTED_TIERS,
+    transform: bool = True,
+    progress: ProgressFn | None = None,
+) -> CodecProfile:
+    """Steps 5 and 6 of the module doc on a measured ``ladder``: the tables, the nested
+    ladder's ``nested_tiers`` (coding each head's KLT coefficients where ``transform``,
+    else its channels), and every level and tier encoded and decoded for real. A
+    ladder gives several profiles (one of each nested ladder) without measuring the
+    texts again; each has its own level specs."""
+    progress = progress or (lambda stage, done, total: None)
+    samples, sinks, body, mean = ladder.samples, ladder.sinks, ladder.body, ladder.mean
+    specs = {name: dataclasses.replace(spec) for name, spec in ladder.specs.items()}
+    levels = list(specs)
+    freqs, table_lo, table_size = _build_tables(specs, body, mean, ladder.sd)
     nested = None
     if nested_tiers:
         progress("nested", 0, 1)
         # each tier as good as the independent level of its name, never worse than its target
-        targets = {name: min(LADDER[name], reached.get(name, LADDER[name]))
+        targets = {name: min(LADDER[name], ladder.reached.get(name, LADDER[name]))
                    for name in nested_tiers[1:]}  # fmt: skip
-        fit = _kl_fit(body, mean, unit, steps, measured)
+        fit = _kl_fit(body, mean, ladder.unit, ladder.steps, ladder.measured)
         stage = _nested_of_coefficients if transform else _nested_of_channels
-        nested, tables = stage(model, samples, body, mean, fisher, unit, floor, sinks, fit,
-                               nested_tiers, targets)  # fmt: skip
+        nested, tables = stage(model, samples, body, mean, ladder.fisher, ladder.unit,
+                               ladder.floor, sinks, fit, nested_tiers, targets)  # fmt: skip
         nested.base_table += freqs.shape[0]  # the new tables come after the ladder's
         nested.refine_table += freqs.shape[0]
         freqs, table_lo, table_size = _append_tables((freqs, table_lo, table_size), tables)
@@ -174,7 +241,7 @@ def calibrate(
         table_size=table_size,
         levels=specs,
         calibration={
-            "texts": sorted(texts),
+            "texts": list(ladder.texts),
             "context_tokens": int(samples[0].kv.shape[3]),
             "continuation_tokens": CONTINUATION_TOKENS,
             "fisher_samples": FISHER_SAMPLES,

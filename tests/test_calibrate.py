@@ -50,15 +50,35 @@ def test_a_search_measures_each_step_array_once(llama, monkeypatch, caplog):
         assert profile.levels[name].quality["kl"] > cal.LADDER[name]
 
 
+def _digest(ladder: cal.Ladder) -> str:
+    import hashlib
+
+    arrays = (ladder.body, ladder.mean, ladder.fisher, ladder.unit, ladder.floor,
+              *(spec.step for spec in ladder.specs.values()),
+              *(spec.table_id for spec in ladder.specs.values()))  # fmt: skip
+    return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
+
+
 @pytest.fixture(scope="module")
-def sed_profile(model):
-    """The whole calibration of a real model, every level and tier, on one text with 512
-    tokens of context (seconds, where the bundled texts' 5 x 2,048 take minutes: the
-    suite's publishes use the profile shipped with kvcdn, which `make embedded-profile`
-    makes with this code on those texts), with the nested ladder of channels
-    (``transform=False``)."""
-    return cal.calibrate(model, {"sed": SED_MANUAL.read_text()[:6000]}, context_tokens=512,
-                         transform=False)  # fmt: skip
+def sed_ladder(model):
+    """A real model's ladder measured on one text with 512 tokens of context (seconds,
+    where the bundled texts' 5 x 2,048 take minutes: the suite's publishes use the
+    profile shipped with kvcdn, which `make embedded-profile` makes with this code on
+    those texts), shared by the profiles of both nested ladders below, as
+    :func:`~kvcdn.calibrate.calibrate` would measure it for each; checked unchanged by
+    them."""
+    ladder = cal.measure_ladder(model, {"sed": SED_MANUAL.read_text()[:6000]},
+                                context_tokens=512)  # fmt: skip
+    before = _digest(ladder)
+    yield ladder
+    assert _digest(ladder) == before
+
+
+@pytest.fixture(scope="module")
+def sed_profile(model, sed_ladder):
+    """The whole calibration of a real model, every level and tier, with the nested
+    ladder of channels (``transform=False``)."""
+    return cal.profile_of(model, sed_ladder, transform=False)
 
 
 def test_the_embedded_model_reaches_every_target(sed_profile):
@@ -83,14 +103,14 @@ def test_the_embedded_model_reaches_every_target(sed_profile):
     assert parse_profile(profile.to_bytes()).sha256 == profile.sha256
 
 
-def test_a_transform_meets_the_same_targets_with_fewer_bits(model, sed_profile):
+def test_a_transform_meets_the_same_targets_with_fewer_bits(model, sed_ladder, sed_profile):
     """The nested ladder of the KLT coefficients (keys before RoPE, docs/levels.md), what
     calibration makes by default, on the same text: every tier within its target, real
     objects smaller than the channels' tier of the same name (`low` to `high` by a
     tenth or more), and a profile that parses."""
     from kvcdn.codec_profile import NESTED_TIERS, parse_profile
 
-    profile = cal.calibrate(model, {"sed": SED_MANUAL.read_text()[:6000]}, context_tokens=512)
+    profile = cal.profile_of(model, sed_ladder)  # calibrate's default: transform=True
     spec = profile.nested
     assert spec is not None and spec.transform is not None and spec.tiers == NESTED_TIERS
     assert spec.transform.inv_freq is not None  # SmolLM2's keys are taken back before RoPE
