@@ -403,12 +403,13 @@ class LoadedModel:
         from transformers import DynamicCache
 
         start = time.perf_counter()
-        # a few dozen tokens, then one more: the shapes of a question after a document
+        # a few dozen tokens, then one more: the shapes of a question after a document,
+        # its last position's logits only, as :meth:`greedy` computes them
         ids = self.document_ids("kvcdn warms the model up. " * 6)
         cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
             self.model(torch.tensor([ids], device=self.device), past_key_values=cache,
-                       use_cache=True)  # fmt: skip
+                       use_cache=True, logits_to_keep=1)  # fmt: skip
             self.model(torch.tensor([ids[-1:]], device=self.device), past_key_values=cache,
                        use_cache=True)  # fmt: skip
         return time.perf_counter() - start
