@@ -21,7 +21,7 @@ Only where :data:`AVAILABLE`: the x86 gather intrinsics compile nowhere else, so
 callers keep a scalar kernel for other hosts (and for a numba told to compile for
 another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
 
-:data:`fvec` is sixteen float32 lanes, with :func:`fadd`, :func:`fmul`,
+:data:`fvec` is sixteen float32 lanes, with :func:`fadd`, :func:`fmul`, :func:`ffma`,
 :func:`fsplat`, :func:`fload` and :func:`fstore`, for kernels whose sums must stay
 in registers (LLVM keeps a numba array in memory, and will not block a loop over
 tokens by itself). These are plain LLVM vector operations: they compile on every host, so
@@ -362,3 +362,34 @@ def _floatwise(emit):
 
 fadd = _floatwise(lambda b, x, y: b.fadd(x, y))
 fmul = _floatwise(lambda b, x, y: b.fmul(x, y))
+
+
+@intrinsic
+def ffma(typingctx, a, b, c):
+    """``a * b + c`` in each lane, rounded once (a fused multiply-add: LLVM's
+    ``llvm.fma``, one instruction where the CPU has FMA, else libm's exact ``fmaf``)."""
+    if not all(isinstance(x, _Floats) for x in (a, b, c)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{W}f32")
+        return builder.call(fn, args)
+
+    return fvec(a, b, c), codegen
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` of three float32 scalars, rounded once to float32 (:func:`ffma`'s
+    one lane)."""
+    if not all(x == types.float32 for x in (a, b, c)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        fnty = ir.FunctionType(f32, [f32, f32, f32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.f32")
+        return builder.call(fn, args)
+
+    return types.float32(a, b, c), codegen

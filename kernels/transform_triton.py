@@ -3,9 +3,10 @@ synthesise`, bit for bit, on torch tensors on the device.
 
 One program computes ``BLOCK_T`` tokens of one group: two ``[BLOCK_T, D/2]``
 accumulators (the outputs ``d < D/2`` and ``d >= D/2``, which RoPE's pairs join) start
-at zero and add ``M[d, j] y[j]`` for ``j = 0, 1, ...`` in order, with fused
-multiply-add disabled, as docs/format.md specifies; keys are then turned with the
-host's cosine and sine tables. ``D`` must be a power of two (the head sizes of the
+at zero and take ``fma(M[d, j], y[j], sum)`` for ``j = 0, 1, ...`` in order, each
+rounded once, as docs/format.md specifies (``tl.fma``: the interpreter rounds it once
+too); keys are then turned with the host's cosine and sine tables, no other multiply
+and add fused. ``D`` must be a power of two (the head sizes of the
 models kvcdn serves: 64, 128, 256); other sizes decode on the CPU.
 
 Imports without Triton; ``TRITON_INTERPRET=1`` (set before Triton is first imported)
@@ -57,7 +58,7 @@ def synthesise(y: torch.Tensor, mt: torch.Tensor, rotate: torch.Tensor, cos: tor
         y, mt, rotate, cos, sin, out, T,
         y.stride(0), y.stride(1), y.stride(2), out.stride(0), out.stride(1), out.stride(2),
         D=D, HALF=D // 2, BLOCK_T=_BLOCK_T,
-        enable_fp_fusion=False,  # every product and sum rounded, as specified
+        enable_fp_fusion=False,  # only the sums' FMAs fused, as specified
     )  # fmt: skip
 
 
@@ -106,8 +107,8 @@ if triton is not None:
             v = tl.load(row + j * ys2, mask=inside, other=0.0)
             m_low = tl.load(m + j * D + i)
             m_high = tl.load(m + j * D + HALF + i)
-            low = low + m_low[None, :] * v[:, None]
-            high = high + m_high[None, :] * v[:, None]
+            low = tl.fma(m_low[None, :], v[:, None], low)
+            high = tl.fma(m_high[None, :], v[:, None], high)
         at = t[:, None] * HALF + i[None, :]
         c = tl.load(cos_ptr + at, mask=inside[:, None], other=1.0)
         s = tl.load(sin_ptr + at, mask=inside[:, None], other=0.0)

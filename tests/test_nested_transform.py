@@ -12,6 +12,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,9 @@ HASH = "ab" * 32
 @pytest.mark.parametrize(("T", "D"), [(37, 64), (1, 64), (36, 128), (37, 40)])
 def test_the_inverse_kernel_is_the_specified_arithmetic_bit_for_bit(T: int, D: int) -> None:
     """Head dimensions that are a multiple of the kernel's block take its vector path,
-    two tokens at a time (an odd count leaves one); others (40) the scalar one."""
+    four tokens at a time (37 leaves one, 1 leaves it all); others (40) the scalar one.
+    Both round each of the sum's terms once, as an FMA does: the same sums with each
+    product rounded apart give other bits."""
     rng = np.random.default_rng(7)
     G = 12
     y = (rng.standard_normal((G, T, D)) * 3).astype(np.float32)
@@ -46,12 +49,49 @@ def test_the_inverse_kernel_is_the_specified_arithmetic_bit_for_bit(T: int, D: i
     in_place = y.copy()
     tf.synthesise(in_place, mt, rotate, cos, sin, in_place)
     assert np.array_equal(in_place.view(np.uint32), expected.view(np.uint32))
+    unfused = np.zeros_like(y)
+    for j in range(D):
+        unfused = unfused + mt[:, None, j, :] * y[:, :, j, None]
+    fused = expected[~rotate]  # groups that are not turned: the sums themselves
+    assert not np.array_equal(unfused[~rotate].view(np.uint32), fused.view(np.uint32))
     # the encoder's analysis inverts it (float64, up to float32 rounding)
     analysis = np.linalg.inv(np.swapaxes(mt, 1, 2).astype(np.float64))
     back = tf.analyse(expected, analysis, rotate, cos, sin)
     assert np.allclose(back, y, atol=1e-3 * np.abs(y).max())
     with pytest.raises(ValueError, match="do not fit"):
         tf.synthesise(y, mt[:, : D // 2], rotate, cos, sin, out)
+
+
+def _rounded_once(exact: Fraction) -> np.float32:
+    """The float32 nearest ``exact``, ties to even (no overflow in these cases)."""
+    guess = np.float32(float(exact))
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess,
+                  np.nextafter(guess, np.float32(np.inf))]  # fmt: skip
+    return min(candidates, key=lambda f: (abs(Fraction(float(f)) - exact),
+                                          int(np.array(f).view(np.uint32)) & 1))  # fmt: skip
+
+
+def test_the_reference_fma_rounds_once() -> None:
+    """numpy's stand-in for an FMA against exact rational arithmetic: random terms,
+    and sums built to sit at a float32 tie, where rounding the float64 sum to float32
+    would round twice."""
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal(4000) * np.exp2(rng.integers(-20, 20, 4000))).astype(np.float32)
+    b = (rng.standard_normal(4000) * np.exp2(rng.integers(-20, 20, 4000))).astype(np.float32)
+    c = (rng.standard_normal(4000) * np.exp2(rng.integers(-30, 30, 4000))).astype(np.float32)
+    # (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24, a float32 tie: 2^-60 more or less decides it,
+    # which float64 drops (a sum rounded to float64, then to float32, rounds twice);
+    # with -1 the product's rounding apart loses the 2^-24
+    tie_a = np.full(3, 1 + 2**-12, dtype=np.float32)
+    tie_c = np.array([2**-60, -(2**-60), -1], dtype=np.float32)
+    a, b, c = np.concatenate([a, tie_a]), np.concatenate([b, tie_a]), np.concatenate([c, tie_c])
+    got = tf.fma_reference(a, b, c)
+    want = np.array([_rounded_once(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+                     for x, y, z in zip(a, b, c, strict=True)], dtype=np.float32)  # fmt: skip
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    twice = (a[-3:].astype(np.float64) * b[-3:] + c[-3:]).astype(np.float32)
+    assert got[-3] != twice[0] and got[-2] == twice[1]  # the tie broken up, then down
+    assert got[-1] != np.float32(a[-1] * b[-1]) + c[-1]  # not a multiply, then an add
 
 
 def test_keys_are_taken_back_before_rope_as_the_model_turned_them(model) -> None:
