@@ -12,8 +12,8 @@ numpy reference) writes the same float32 values:
 * ``z[d] = fma(M[d, D-1], y[D-1], ... fma(M[d, 1], y[1], fma(M[d, 0], y[0], 0)))``:
   ``D`` fused multiply-adds in increasing ``j``, each rounded once to float32 (an
   FMA is the instruction every CPU and GPU kvcdn decodes on runs at full rate: with
-  a multiply and an add rounded apart, the CPU kernel ran at half its speed, 2.4
-  against 1.4 ms a 256-token chunk of the embedded model on 2 cores);
+  a multiply and an add rounded apart, the CPU kernel took twice the instructions:
+  2.45 against 1.6 ms a 256-token chunk of the embedded model on 2 cores);
 * for keys with rotary frequencies, ``c = float32(cos(p f_i))``, ``s = float32(sin(p
   f_i))`` (``p f_i`` in float64, from :func:`rope_tables`, which every decoder takes
   from the host), and ``x[i] = c z[i] - s z[i + D/2]``, ``x[i + D/2] = s z[i] + c z[i
@@ -85,9 +85,10 @@ def _synthesise(start, end, y, mt, rotate, cos, sin, out):  # pragma: no cover -
     z = np.empty((TOKENS, D), dtype=np.float32)  # the tokens' sums, before the rotary step
     # Where D is a multiple of BLOCK: four tokens and BLOCK outputs at a time, their 16
     # sums in registers, so each row of the matrix read serves four tokens and enough
-    # independent FMAs are in flight to keep both FMA units busy (with 8, the FMA's
-    # latency held them to 1.6 ms a chunk). The terms are added in the same order as
-    # one by one, which takes the tokens left (and every token of other heads' sizes).
+    # independent FMAs are in flight to keep both FMA units busy (with 8 sums, the
+    # FMA's latency left them idle: 1.6 against 1.4 ms a chunk's arrays). The terms are
+    # added in the same order as one by one, which takes the tokens left (and every
+    # token of other heads' sizes).
     blocked = D % BLOCK == 0
     flat = mt.reshape(-1)
     zs = z.reshape(-1)
