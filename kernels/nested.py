@@ -362,6 +362,7 @@ def decode(
     lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, stride: int,
     out: np.ndarray, vector: bool = True,
     vector_tables: tuple[np.ndarray, np.ndarray] | None = None,
+    block_order: np.ndarray | None = None,
 ) -> None:  # fmt: skip
     """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32).
 
@@ -376,8 +377,10 @@ def decode(
     Sixteen groups at a time in vector registers (:mod:`.nested_simd`) where the host
     has AVX-512 or AVX2 and the arrays allow, else (or with ``vector=False``) group by group;
     the two give the same values and errors. ``vector_tables``: the vector kernel's
-    form of ``lut`` and ``cum`` (:func:`.nested_simd.vector_tables`), which a caller
-    decoding many chunks makes once; else made for this call."""
+    form of ``lut`` and ``cum`` (:func:`.nested_simd.vector_tables`), and
+    ``block_order`` the order its blocks take the groups (:func:`.nested_simd.block_order`
+    of ``k`` and ``depth``), which a caller decoding many chunks makes once; else made
+    for this call."""
     from . import nested_simd  # it imports this module
 
     G = out.shape[0]
@@ -397,7 +400,7 @@ def decode(
         np.ascontiguousarray(refine_tid, dtype=np.int64), check_stride(stride),
     )  # fmt: skip
     if vector and nested_simd.usable(out, words, lut, wbeg, wend):
-        nested_simd.decode(*args, depth, *tables, out, status, vector_tables)
+        nested_simd.decode(*args, depth, *tables, out, status, vector_tables, block_order)
     else:
         parallel.run(_decode, G, *args, np.ascontiguousarray(depth[-1]), depth, *tables, out,
                      status)  # fmt: skip

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -149,6 +151,48 @@ def run(kernel: Callable[..., Any], items: int, *args: Any) -> None:
             error = failed
     if error is not None:
         raise error
+
+
+def balance(costs: np.ndarray) -> np.ndarray:
+    """The items ``0..len(costs) - 1`` in an order whose ranges, as :func:`run` splits
+    them now, cost about the same (``costs``: each item's), for ``run(kernel,
+    len(order), order, ...)``: a call ends when its slowest range does. The costliest
+    item first, each to the range that costs least so far and has room, then swaps."""
+    items = len(costs)
+    parts = min(_threads, items)
+    order = np.arange(items, dtype=np.int64)
+    if parts <= 1:
+        return order
+    bounds = [items * i // parts for i in range(parts + 1)]
+    room = [bounds[i + 1] - bounds[i] for i in range(parts)]
+    loads = [0.0] * parts
+    taken: list[list[int]] = [[] for _ in range(parts)]
+    cost = [float(c) for c in costs]
+    for item in sorted(range(items), key=lambda i: -cost[i]):
+        part = min((p for p in range(parts) if len(taken[p]) < room[p]), key=loads.__getitem__)
+        taken[part].append(item)
+        loads[part] += cost[item]
+    # then swaps out of the costliest range while one lowers it (its ranges have as
+    # many items as run's, so a better split than the greedy one is often a swap away)
+    while True:
+        worst = max(range(parts), key=loads.__getitem__)
+        best = (loads[worst], -1, -1, -1)
+        for p in range(parts):
+            for i, a in enumerate(taken[worst]):
+                for j, b in enumerate(taken[p]):
+                    moved = cost[a] - cost[b]
+                    if p != worst and moved > 0:
+                        peak = max(loads[worst] - moved, loads[p] + moved)
+                        if peak < best[0]:
+                            best = (peak, p, i, j)
+        if best[1] < 0:
+            break
+        _, p, i, j = best
+        a, b = taken[worst][i], taken[p][j]
+        taken[worst][i], taken[p][j] = b, a
+        loads[worst] += cost[b] - cost[a]
+        loads[p] += cost[a] - cost[b]
+    return np.array([item for part in taken for item in part], dtype=np.int64)
 
 
 def _workers(n: int) -> ThreadPoolExecutor:

@@ -173,6 +173,8 @@ def warm_up() -> None:
     mt = np.zeros((G, D, D), dtype=np.float32)
     rotate = np.array([True, False])
     cos, sin = np.ones((T, D // 2), dtype=np.float32), np.zeros((T, D // 2), dtype=np.float32)
+    for table in (cos, sin):  # as a profile's transform gives them (kept, read-only)
+        table.flags.writeable = False
     whole = np.zeros((G, T, D), dtype=np.float32)
     synthesise(whole, mt, rotate, cos, sin, whole)
     window = whole[:, 1:]

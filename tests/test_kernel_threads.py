@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from kvcdn.kernels import parallel
@@ -113,3 +114,22 @@ def test_every_range_has_ended_before_an_error_is_raised(monkeypatch):
     with pytest.raises(ValueError, match="first range"):
         parallel.run(kernel, 2)
     assert finished.is_set()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_balance_gives_each_range_about_the_same_cost(monkeypatch, threads):
+    """Items of uneven costs (a decoder's blocks, sorted as a planner left them): in the
+    order ``balance`` gives, the ranges ``run`` splits them into cost about the same,
+    far closer than in the given order, and every item is run once."""
+    monkeypatch.setattr(parallel, "_threads", threads)
+    costs = np.array([0, 0, 0, 4, 8, 12, 20, 36, 64, 68, 116, 72], dtype=np.int64)
+    order = parallel.balance(costs)
+    assert sorted(order.tolist()) == list(range(len(costs)))
+    ran: list[tuple[int, int]] = []
+    parallel.run(lambda a, b, o: ran.append((a, b)), len(order), order)
+    loads = sorted(int(costs[order[a:b]].sum()) for a, b in ran)
+    given = sorted(int(costs[a:b].sum()) for a, b in ran)
+    assert len(loads) == threads
+    assert loads[-1] - loads[0] <= costs.max() // 2
+    if threads > 1:
+        assert loads[-1] < given[-1]

@@ -110,9 +110,34 @@ def test_shapes_the_vector_decoder_does_not_take_use_the_scalar_one(streams) -> 
     assert np.array_equal(strided.view(np.uint32), want.view(np.uint32))
 
 
-def test_blocks_group_by_coded_lanes(streams) -> None:
-    order = nested_simd.block_order(3, streams["depth"])
-    assert sorted(order) == list(range(180))
-    counts = (streams["depth"][1:4] != streams["depth"][:3]).sum(axis=2)[:, order]
-    assert (np.diff(counts[0]) >= 0).all()  # tier 1's counts ascend, ties by tier 2
-    assert nested_simd.block_order(0, streams["depth"]).tolist() == list(range(180))
+def test_blocks_take_fewer_steps_than_groups_sorted_by_their_counts(streams) -> None:
+    """The planned order is an order of the groups; each block's steps are the most
+    lanes one of its groups codes in each tier; and the blocks take fewer steps than
+    with the groups sorted by their tiers' counts (the order the planner replaced)."""
+    depth = streams["depth"]
+    for k in (2, 3, depth.shape[0] - 1):
+        order = nested_simd.block_order(k, depth)
+        assert sorted(order.tolist()) == list(range(180))
+        counts = nested_simd.coded_lanes(k, depth)
+        steps = nested_simd.block_steps(k, depth, order)
+        for b, taken in enumerate(steps):
+            assert taken == counts[:, order[b * 16 : (b + 1) * 16]].max(axis=1).sum()
+        by_counts = np.lexsort(counts[::-1])
+        assert steps.sum() < nested_simd.block_steps(k, depth, by_counts).sum(), k
+    assert nested_simd.block_order(0, depth).tolist() == list(range(180))
+
+
+def test_any_order_of_the_groups_decodes_the_same_and_others_are_refused(streams) -> None:
+    """The order shares groups out to blocks and blocks to threads, nothing else: the
+    values are the scalar decoder's whatever the order; an order that is not one of
+    the groups is refused before the kernel runs (its indices are not bounds-checked)."""
+    k = streams["depth"].shape[0] - 1
+    want = decode(streams, k, False, sliced=True)
+    arrays = [streams[a] for a in ARRAYS]
+    for order in (np.arange(180)[::-1].copy(), np.random.default_rng(1).permutation(180)):
+        got = np.full_like(want, np.nan)
+        nested.decode(k, *arrays, got, block_order=order.astype(np.int64))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    for bad in (np.zeros(180), np.arange(179), np.arange(1, 181)):
+        with pytest.raises(ValueError, match="block order"):
+            nested.decode(k, *arrays, np.empty_like(want), block_order=bad.astype(np.int64))
