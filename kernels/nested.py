@@ -32,11 +32,16 @@ Specified with the container in ``docs/format.md``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numba import njit
 
 from . import parallel
 from .rans import PROB_BITS, RANS_L, RansError, cumulative
+
+if TYPE_CHECKING:
+    from .nested_simd import BlockPlan
 
 STATES = 4
 _MASK = (1 << PROB_BITS) - 1
@@ -362,7 +367,7 @@ def decode(
     lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, stride: int,
     out: np.ndarray, vector: bool = True,
     vector_tables: tuple[np.ndarray, np.ndarray] | None = None,
-    block_order: np.ndarray | None = None,
+    block_plan: BlockPlan | None = None,
 ) -> None:  # fmt: skip
     """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32).
 
@@ -378,8 +383,8 @@ def decode(
     has AVX-512 or AVX2 and the arrays allow, else (or with ``vector=False``) group by group;
     the two give the same values and errors. ``vector_tables``: the vector kernel's
     form of ``lut`` and ``cum`` (:func:`.nested_simd.vector_tables`), and
-    ``block_order`` the order its blocks take the groups (:func:`.nested_simd.block_order`
-    of ``k`` and ``depth``), which a caller decoding many chunks makes once; else made
+    ``block_plan`` how its blocks take the groups (:func:`.nested_simd.plan_blocks` of
+    ``k`` and ``depth``), which a caller decoding many chunks makes once; else made
     for this call."""
     from . import nested_simd  # it imports this module
 
@@ -400,7 +405,7 @@ def decode(
         np.ascontiguousarray(refine_tid, dtype=np.int64), check_stride(stride),
     )  # fmt: skip
     if vector and nested_simd.usable(out, words, lut, wbeg, wend):
-        nested_simd.decode(*args, depth, *tables, out, status, vector_tables, block_order)
+        nested_simd.decode(*args, depth, *tables, out, status, vector_tables, block_plan)
     else:
         parallel.run(_decode, G, *args, np.ascontiguousarray(depth[-1]), depth, *tables, out,
                      status)  # fmt: skip

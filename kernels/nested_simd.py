@@ -35,6 +35,8 @@ group's stream as in the scalar kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 from numba import njit
 
@@ -189,11 +191,14 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
     n = np.zeros(R * D * W, np.uint32)
     fin = np.empty(W * D, np.uint32)  # [lane * D + d]: where lane d's last index lies in n
     groups = np.empty(W, np.int64)
+    count = np.zeros(R * W, np.int64)  # [r * W + lane]: the lanes a group codes in tier r
+    lanes_of = np.zeros(R * W * D, np.int64)  # and which: [(r * W + lane) * D + q]
     for at_block in range(b0, b1):
         block = blocks[at_block]
-        # each tier's steps: the most lanes a group of the block codes (rows past a
-        # group's own coded lanes, up to those, are filled with the table that changes
-        # nothing; rows past them are never read)
+        # each group's coded lanes in each tier, and each tier's steps: the most lanes
+        # a group of the block codes (rows past a group's own coded lanes, up to
+        # those, are filled with the table that changes nothing; rows past them are
+        # never read)
         steps[:] = 0
         for lane in range(W):
             g = order[min(block * W + lane, G - 1)]
@@ -201,7 +206,10 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
             for r in range(1, R):
                 q = 0
                 for d in range(D):
-                    q += depth[r, g, d] != depth[r - 1, g, d]
+                    if depth[r, g, d] != depth[r - 1, g, d]:
+                        lanes_of[(r * W + lane) * D + q] = d
+                        q += 1
+                count[r * W + lane] = q
                 steps[r] = max(steps[r], q)
         for lane in range(W):
             g = groups[lane]
@@ -213,10 +221,19 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                 mu[lane * D + d] = mean[g, d]
                 scale[lane * D + d] = np.float32(_pow3(top[g, d] - depth[k, g, d])) * fine[g, d]
             for r in range(R):
-                q = 0
-                for d in range(D if r > 0 else 0):
-                    if depth[r, g, d] != depth[r - 1, g, d]:
-                        at = r * D + q
+                for i in range(STATES):
+                    xs[(r * STATES + i) * W + lane] = states[r, g, i]
+                pos[r * W + lane] = wbeg[r, g]
+                last[r * W + lane] = max(wend[r, g] - 1, wbeg[r, g])
+        # a step's rows for all sixteen lanes at once: its cut points are nine cache
+        # lines that the lanes fill together (lane by lane, a tier's lines left the L1
+        # cache before the next lane came back to them)
+        for r in range(1, R):
+            for q in range(steps[r]):
+                at = r * D + q
+                for lane in range(W):
+                    if q < count[r * W + lane]:
+                        g, d = groups[lane], lanes_of[(r * W + lane) * D + q]
                         coded[at * W + lane] = fin[lane * D + d]
                         fin[lane * D + d] = at * W + lane
                         prev[at * W + lane] = 1
@@ -225,17 +242,11 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                             for before in range(3):
                                 c = (at * 9 + parent * 3 + before) * W + lane
                                 cuts[c] = cut_of[tab + before * stride]
-                        q += 1
-                for rest in range(q, steps[r]):  # past its coded lanes
-                    at = r * D + rest
-                    coded[at * W + lane] = at * W + lane
-                    prev[at * W + lane] = 0
-                    for c in range(9):
-                        cuts[(at * 9 + c) * W + lane] = _SLOTS | (_SLOTS << 16)
-                for i in range(STATES):
-                    xs[(r * STATES + i) * W + lane] = states[r, g, i]
-                pos[r * W + lane] = wbeg[r, g]
-                last[r * W + lane] = max(wend[r, g] - 1, wbeg[r, g])
+                    else:  # past its coded lanes
+                        coded[at * W + lane] = at * W + lane
+                        prev[at * W + lane] = 0
+                        for c in range(9):
+                            cuts[(at * 9 + c) * W + lane] = _SLOTS | (_SLOTS << 16)
         for t in range(T):
             x0, x1, x2, x3 = load(xs, 0), load(xs, W), load(xs, 2 * W), load(xs, 3 * W)
             p, end = load(pos, 0), load(last, 0)
@@ -297,6 +308,34 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                     if xs[(r * STATES + i) * W + lane] != RANS_L:
                         ok = False
             status[g] = 0 if ok else 1
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How :func:`decode` takes a part's groups at tiers ``0..k``: ``order``, the groups
+    in the order the blocks take them (:func:`block_order`), and ``steps``, each block's
+    refinement steps a token (:func:`block_steps`). Made once per tiers and part by a
+    decoder of many chunks (the codec keeps it with the profile): both took 0.1 ms a
+    chunk, and the order 1-2 ms."""
+
+    order: np.ndarray
+    steps: np.ndarray
+    _shared: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
+
+    def blocks(self) -> np.ndarray:
+        """The blocks in the order :func:`parallel.run` shares them out to the kernels'
+        threads now (:func:`parallel.balance` of their steps), made once per count."""
+        threads = parallel.get_threads()
+        found = self._shared.get(threads)
+        if found is None:
+            found = self._shared[threads] = parallel.balance(self.steps)
+        return found
+
+
+def plan_blocks(k: int, depth: np.ndarray) -> BlockPlan:
+    """The :class:`BlockPlan` of tiers ``0..k`` of groups of ``depth [R, G, D]``."""
+    order = block_order(k, depth)
+    return BlockPlan(order, block_steps(k, depth, order))
 
 
 def block_order(k: int, depth: np.ndarray) -> np.ndarray:
@@ -438,23 +477,25 @@ def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states
            depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray,
            stride: int, out: np.ndarray, status: np.ndarray,
            tables: tuple[np.ndarray, np.ndarray] | None = None,
-           order: np.ndarray | None = None) -> None:  # fmt: skip
+           plan: BlockPlan | None = None) -> None:  # fmt: skip
     """:func:`kvcdn.kernels.nested.decode`'s work on arrays it has checked and typed
     (where :func:`usable`): each group's end check into ``status``. ``tables``:
-    :func:`vector_tables` of ``lut`` and ``cum``, made now if not given; ``order``:
-    :func:`block_order` of ``k`` and ``depth``, likewise. The blocks are shared out so
+    :func:`vector_tables` of ``lut`` and ``cum``, made now if not given; ``plan``:
+    :func:`plan_blocks` of ``k`` and ``depth``, likewise. The blocks are shared out so
     that each thread takes about as many refinement steps."""
     G = out.shape[0]
     symbols, info = tables if tables is not None else vector_tables(lut, cum)
     if len(symbols) != lut.size + 3 or len(info) != lut.size // _SLOTS * _SYMBOLS:
         raise ValueError("the vector tables are not those of these decode tables")
-    if order is None:
-        order = block_order(k, depth)
-    elif (order.dtype != np.int64 or order.shape != (G,)
-          or not np.array_equal(np.sort(order), np.arange(G))):  # fmt: skip
-        raise ValueError("the block order is not an order of these groups")
+    if plan is None:
+        plan = plan_blocks(k, depth)
+    order, blocks = plan.order, plan.blocks()
+    # the kernel does not check its indices: the order must be one of these groups
+    if (order.dtype != np.int64 or order.shape != (G,) or blocks.dtype != np.int64
+            or not np.array_equal(np.sort(order), np.arange(G))
+            or not np.array_equal(np.sort(blocks), np.arange(-(-G // W)))):  # fmt: skip
+        raise ValueError("the block plan is not one of these groups")
     cut_of = cum[:, 1] | (cum[:, 2] << 16)  # each (ternary) table's cut points
-    blocks = parallel.balance(block_steps(k, depth, order))
     parallel.run(
         _decode_blocks, len(blocks), blocks, order, k, words, wbeg, wend, states,
         symbols, info, cut_of, mean, fine, np.ascontiguousarray(depth[-1]), depth, lo,

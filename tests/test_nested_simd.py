@@ -136,8 +136,13 @@ def test_any_order_of_the_groups_decodes_the_same_and_others_are_refused(streams
     arrays = [streams[a] for a in ARRAYS]
     for order in (np.arange(180)[::-1].copy(), np.random.default_rng(1).permutation(180)):
         got = np.full_like(want, np.nan)
-        nested.decode(k, *arrays, got, block_order=order.astype(np.int64))
+        plan = nested_simd.BlockPlan(order.astype(np.int64), np.zeros(12, np.int64))
+        nested.decode(k, *arrays, got, block_plan=plan)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     for bad in (np.zeros(180), np.arange(179), np.arange(1, 181)):
-        with pytest.raises(ValueError, match="block order"):
-            nested.decode(k, *arrays, np.empty_like(want), block_order=bad.astype(np.int64))
+        plan = nested_simd.BlockPlan(bad.astype(np.int64), np.zeros(12, np.int64))
+        with pytest.raises(ValueError, match="block plan"):
+            nested.decode(k, *arrays, np.empty_like(want), block_plan=plan)
+    plan = nested_simd.BlockPlan(np.arange(180), np.zeros(11, np.int64))  # 12 blocks
+    with pytest.raises(ValueError, match="block plan"):
+        nested.decode(k, *arrays, np.empty_like(want), block_plan=plan)

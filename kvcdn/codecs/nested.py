@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from kvcdn.codec_profile import CodecProfile, NestedTransform
     from kvcdn.container import ChunkHeader, Part
+    from kvcdn.kernels.nested_simd import BlockPlan
 
 #: What a nested object's header names as its level: the object holds all of them (the
 #: same word begins its keys' level id, which an edge checks against the header).
@@ -164,7 +165,7 @@ class NestedCodec(Codec):
         try:
             nested.decode(st.k, st.words, st.wbeg, st.wend, st.states, *tables, staged[:, s:],
                           vector_tables=_vector_tables(profile),
-                          block_order=_block_order(profile, st, depth))  # fmt: skip
+                          block_plan=_block_plan(profile, st, depth))  # fmt: skip
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
         if transform is not None:  # the coefficients' values, in place
@@ -184,13 +185,13 @@ def _vector_tables(profile: CodecProfile) -> tuple[np.ndarray, np.ndarray]:
         profile.decode_tables(), profile.table_starts()))  # fmt: skip
 
 
-def _block_order(profile: CodecProfile, st: _Streams, depth: np.ndarray) -> np.ndarray:
-    """The order the CPU vector kernel's blocks take a part's groups in, made once per
-    profile, tiers and part (1-2 ms for the embedded model's 180 groups)."""
+def _block_plan(profile: CodecProfile, st: _Streams, depth: np.ndarray) -> BlockPlan:
+    """How the CPU vector kernel's blocks take a part's groups, made once per profile,
+    tiers and part (1-2 ms for the embedded model's 180 groups)."""
     from kvcdn.kernels import nested_simd
 
-    return profile.derived(("nested-simd-order", st.k, st.gids.tobytes()),
-                           lambda: nested_simd.block_order(st.k, depth))  # fmt: skip
+    return profile.derived(("nested-simd-plan", st.k, st.gids.tobytes()),
+                           lambda: nested_simd.plan_blocks(st.k, depth))  # fmt: skip
 
 
 def transform_gpu(dim: int) -> bool:
