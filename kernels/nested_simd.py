@@ -20,10 +20,11 @@ position), but groups are independent, so each vector lane keeps one group's sta
   and :func:`decode` shares the blocks out so that each thread takes as many steps.
 * A ternary table needs no lookup: its symbol is the count of its two cut points at
   or below the slot, its start and next cut are blends of them.
-* Contexts (the previous token's symbol in the lane): the base's LUT row is the middle
-  context's plus ``sign(previous index)`` rows where the tables depend on it (a mask,
-  no branch); a refinement's cut points are blended from the nine contexts' by the
-  previous symbol, then the parent.
+* Contexts (the previous token's symbol in the lane): a base step takes its table from
+  a row it set at the previous token, context 0's plus the context its symbol's table
+  entry codes (:func:`vector_tables`: the entry's low byte; the index's sign took
+  nine instructions of about forty); a refinement's cut points are blended from the
+  nine contexts' by the previous symbol, then the parent.
 * Values: each group's row of the token gathered from its lanes' last indices and written
   as sixteen consecutive floats, ``mean + float32(n) * scale`` rounded twice as the
   scalar kernel rounds them.
@@ -54,13 +55,20 @@ WORDS_READ = 4
 _SYMBOLS = 256  # a base table's symbols, at most (a decode table entry's 8 bits)
 
 
-def vector_tables(lut: np.ndarray, cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def vector_tables(lut: np.ndarray, cum: np.ndarray, base_tid: np.ndarray, lo: np.ndarray,
+                  stride: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """The decode tables as :func:`decode` reads them: each slot's symbol (``uint8
     [n * 4096 + 3]``, a fourth of the packed tables, so that the tables a block of
     groups uses stay in the L2 cache rather than in L3: a lookup was two thirds of the
-    base's time), and each symbol's ``freq - 1 << 8 | start << 20`` (``uint32 [n *
-    256]``). Made once per profile (``lut [n, 4096]``, ``cum [n, symbols]``: the packed
-    tables and their starts, :func:`kvcdn.kernels.nested.decode`'s)."""
+    base's time), and each symbol's ``code | freq - 1 << 8 | start << 20`` (``uint32 [n
+    * 256]``), ``code`` the context of the stream's next token, ``(1 + sign(symbol +
+    lo)) * stride`` (a base table's streams all have its ``lo``: the profile's parser
+    holds every context of a stream to one range), so that a step finds its next table
+    from what it gathers rather than from the index's sign. Made once per profile
+    (``lut [n, 4096]``, ``cum [n, symbols]``: the packed tables and their starts,
+    :func:`kvcdn.kernels.nested.decode`'s; ``base_tid``, ``lo`` ``[G, D]`` and
+    ``stride``: the base's first table, range and context stride of every group's
+    streams)."""
     lut = np.asarray(lut, dtype=np.uint32).reshape(-1, _SLOTS)
     symbols = np.zeros(lut.size + 3, dtype=np.uint8)  # three more: each read takes four
     symbols[: lut.size] = (lut & 0xFF).reshape(-1)
@@ -69,6 +77,12 @@ def vector_tables(lut: np.ndarray, cum: np.ndarray) -> tuple[np.ndarray, np.ndar
     freq = np.diff(starts, axis=1, append=np.full((len(lut), 1), _SLOTS))
     # a symbol without slots (past the last one used) has an entry never read
     info = ((freq - 1) & 0xFFF) << 8 | (starts & 0xFFF) << 20
+    table_lo = np.zeros(len(lut), dtype=np.int64)  # of the tables a base uses
+    for c in range(3 if stride else 1):
+        table_lo[np.asarray(base_tid, dtype=np.int64).reshape(-1) + c * stride] = (
+            np.asarray(lo, dtype=np.int64).reshape(-1))  # fmt: skip
+    index = table_lo[:, None] + np.arange(_SYMBOLS)
+    info |= (1 + np.sign(index)) * stride
     return symbols, info.astype(np.uint32).reshape(-1)
 
 
@@ -105,24 +119,22 @@ def _word(p, last, read, pair0, pair1):  # pragma: no cover - jitted
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _base_step(x, p, last, read, pair0, pair1, at, rows, low, symbols, info, n, smask
+def _base_step(x, p, last, read, pair0, pair1, at, rows, first, low, symbols, info, n
                ):  # pragma: no cover - jitted  # fmt: skip
     """Lane ``at // W`` of every group from its states ``x`` (word position ``p``, its
     words read as :func:`_word` takes them): (new states, new position); the indices
-    go to ``n[at:at + W]``, whose values at the previous token choose each group's
-    table (``rows[at:]``: the middle context's; ``smask``: all ones where the context
-    moves it by a table of ``sign(prev)``, else 0). Refinements never write this row,
-    so it holds the previous token's indices."""
-    prev = load(n, at)
-    sign = (prev != 0) | sra(prev, 31)  # -1, 0 or 1 (wrapping)
+    go to ``n[at:at + W]``. ``rows[at:]``: each group's table at this token, which the
+    step sets for the next one (its ``first[at:]``, context 0's, plus the context the
+    symbol's entry codes)."""
     slot = x & _MASK
-    table = load(rows, at) + ((sign << PROB_BITS) & smask)  # the table's first slot
+    table = load(rows, at)  # the table's first slot
     symbol = gather(symbols, table + slot)
     e = gather(info, (table >> (PROB_BITS - 8)) + symbol)  # the table's 256 entries
     v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + slot - (e >> 20)
     take = v < RANS_L
     w = _word(p, last, read, pair0, pair1)
     store(n, at, symbol + load(low, at))
+    store(rows, at, load(first, at) + ((e & 3) << PROB_BITS))
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
@@ -162,7 +174,8 @@ def _refine_step(x, p, last, read, pair0, pair1, at, coded, cuts, prev, n
     w = _word(p, last, read, pair0, pair1)
     store(prev, at * W, above_first + above_second)
     step = above_first + above_second - 1  # counted from the mean's side
-    store(n, at * W, parent * 3 + step * (sign | 1))
+    # step * sign(parent) (1 for 0) without a multiply: negated where sign is all ones
+    store(n, at * W, parent * 3 + ((step ^ sign) - sign))
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
@@ -175,8 +188,8 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
     G, T, D = out.shape
     R = k + 1
     group_stride, token_stride = out.strides[0] // 4, out.strides[1] // 4
-    smask = np.uint32(0xFFFFFFFF) if stride else np.uint32(0)
     rows = np.empty(D * W, np.uint32)  # lane-major: [d * W + lane]
+    first = np.empty(D * W, np.uint32)
     low = np.empty(D * W, np.uint32)
     mu = np.empty(W * D, np.float32)  # group-major: [lane * D + d]
     scale = np.empty(W * D, np.float32)
@@ -214,6 +227,7 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
         for lane in range(W):
             g = groups[lane]
             for d in range(D):
+                first[d * W + lane] = base_tid[g, d] * _SLOTS
                 rows[d * W + lane] = (base_tid[g, d] + stride) * _SLOTS  # context 1's
                 n[d * W + lane] = 0
                 fin[lane * D + d] = d * W + lane
@@ -255,14 +269,14 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                 # that may take them (a read a step waited for the step before it)
                 read = minimum(p, end)
                 r0, r1 = gather_pair(words, read), gather_pair(words, read + 2)
-                x0, p = _base_step(x0, p, end, read, r0, r1, d * W, rows, low, symbols, info,
-                                   n, smask)  # fmt: skip
-                x1, p = _base_step(x1, p, end, read, r0, r1, (d + 1) * W, rows, low, symbols,
-                                   info, n, smask)  # fmt: skip
-                x2, p = _base_step(x2, p, end, read, r0, r1, (d + 2) * W, rows, low, symbols,
-                                   info, n, smask)  # fmt: skip
-                x3, p = _base_step(x3, p, end, read, r0, r1, (d + 3) * W, rows, low, symbols,
-                                   info, n, smask)  # fmt: skip
+                x0, p = _base_step(x0, p, end, read, r0, r1, d * W, rows, first, low, symbols,
+                                   info, n)  # fmt: skip
+                x1, p = _base_step(x1, p, end, read, r0, r1, (d + 1) * W, rows, first, low,
+                                   symbols, info, n)  # fmt: skip
+                x2, p = _base_step(x2, p, end, read, r0, r1, (d + 2) * W, rows, first, low,
+                                   symbols, info, n)  # fmt: skip
+                x3, p = _base_step(x3, p, end, read, r0, r1, (d + 3) * W, rows, first, low,
+                                   symbols, info, n)  # fmt: skip
             store(xs, 0, x0)
             store(xs, W, x1)
             store(xs, 2 * W, x2)
@@ -484,7 +498,8 @@ def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states
     :func:`plan_blocks` of ``k`` and ``depth``, likewise. The blocks are shared out so
     that each thread takes about as many refinement steps."""
     G = out.shape[0]
-    symbols, info = tables if tables is not None else vector_tables(lut, cum)
+    symbols, info = (tables if tables is not None
+                     else vector_tables(lut, cum, base_tid, lo, stride))  # fmt: skip
     if len(symbols) != lut.size + 3 or len(info) != lut.size // _SLOTS * _SYMBOLS:
         raise ValueError("the vector tables are not those of these decode tables")
     if plan is None:

@@ -181,8 +181,9 @@ def _vector_tables(profile: CodecProfile) -> tuple[np.ndarray, np.ndarray]:
     (6-9 ms on a 2-CPU EPYC; 90 ms the first time in a process, its memory new)."""
     from kvcdn.kernels import nested_simd
 
+    _, _, _, lo, _, base, _, stride = profile.nested_arrays()
     return profile.derived("nested-simd-tables", lambda: nested_simd.vector_tables(
-        profile.decode_tables(), profile.table_starts()))  # fmt: skip
+        profile.decode_tables(), profile.table_starts(), base, lo, stride))  # fmt: skip
 
 
 def _block_plan(profile: CodecProfile, st: _Streams, depth: np.ndarray) -> BlockPlan:
