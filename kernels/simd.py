@@ -21,8 +21,8 @@ Only where :data:`AVAILABLE`: the x86 gather intrinsics compile nowhere else, so
 callers keep a scalar kernel for other hosts (and for a numba told to compile for
 another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``).
 
-:data:`fvec` is sixteen float32 lanes, with :func:`fadd`, :func:`fmul`, :func:`ffma`,
-:func:`fsplat`, :func:`fload` and :func:`fstore`, for kernels whose sums must stay
+:data:`fvec` is sixteen float32 lanes, with :func:`fadd`, :func:`fsub`, :func:`fmul`,
+:func:`ffma`, :func:`fsplat`, :func:`fload` and :func:`fstore`, for kernels whose sums must stay
 in registers (LLVM keeps a numba array in memory, and will not block a loop over
 tokens by itself). These are plain LLVM vector operations: they compile on every host, so
 need no :data:`AVAILABLE`.
@@ -361,6 +361,7 @@ def _floatwise(emit):
 
 
 fadd = _floatwise(lambda b, x, y: b.fadd(x, y))
+fsub = _floatwise(lambda b, x, y: b.fsub(x, y))
 fmul = _floatwise(lambda b, x, y: b.fmul(x, y))
 
 
