@@ -78,9 +78,13 @@ def vector_tables(lut: np.ndarray, cum: np.ndarray, base_tid: np.ndarray, lo: np
     # a symbol without slots (past the last one used) has an entry never read
     info = ((freq - 1) & 0xFFF) << 8 | (starts & 0xFFF) << 20
     table_lo = np.zeros(len(lut), dtype=np.int64)  # of the tables a base uses
-    for c in range(3 if stride else 1):
-        table_lo[np.asarray(base_tid, dtype=np.int64).reshape(-1) + c * stride] = (
-            np.asarray(lo, dtype=np.int64).reshape(-1))  # fmt: skip
+    first = np.asarray(base_tid, dtype=np.int64).reshape(-1)
+    ranges = np.asarray(lo, dtype=np.int64).reshape(-1)
+    contexts = [first + c * stride for c in range(3 if stride else 1)]
+    for tables in contexts:
+        table_lo[tables] = ranges
+    if any(np.any(table_lo[tables] != ranges) for tables in contexts):
+        raise ValueError("streams that share a base table do not share its range")
     index = table_lo[:, None] + np.arange(_SYMBOLS)
     info |= (1 + np.sign(index)) * stride
     return symbols, info.astype(np.uint32).reshape(-1)

@@ -146,3 +146,15 @@ def test_any_order_of_the_groups_decodes_the_same_and_others_are_refused(streams
     plan = nested_simd.BlockPlan(np.arange(180), np.zeros(11, np.int64))  # 12 blocks
     with pytest.raises(ValueError, match="block plan"):
         nested.decode(k, *arrays, np.empty_like(want), block_plan=plan)
+
+
+def test_vector_tables_refuse_streams_that_share_a_table_but_not_its_range(streams) -> None:
+    """The vector kernel reads a base step's next context from its table's entries, which
+    hold for one range per table (as the profile's parser requires): two streams of one
+    table with different ranges are refused, not decoded in the wrong context."""
+    args = streams["lut"], streams["cum"]
+    base, lo, stride = streams["base"].copy(), streams["lo"].copy(), int(streams["stride"])
+    nested_simd.vector_tables(*args, base, lo, stride)  # the profile's own
+    base[1, 0], lo[1, 0] = base[0, 0], lo[0, 0] + 1
+    with pytest.raises(ValueError, match="range"):
+        nested_simd.vector_tables(*args, base, lo, stride)
