@@ -333,8 +333,8 @@ class BlockPlan:
     """How :func:`decode` takes a part's groups at tiers ``0..k``: ``order``, the groups
     in the order the blocks take them (:func:`block_order`), and ``steps``, each block's
     refinement steps a token (:func:`block_steps`). Made once per tiers and part by a
-    decoder of many chunks (the codec keeps it with the profile): both took 0.1 ms a
-    chunk, and the order 1-2 ms."""
+    decoder of many chunks (the codec keeps it with the profile): the order takes 1-2
+    ms, and the steps and the threads' share of them took 0.085 ms of every chunk."""
 
     order: np.ndarray
     steps: np.ndarray

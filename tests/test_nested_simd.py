@@ -158,3 +158,27 @@ def test_vector_tables_refuse_streams_that_share_a_table_but_not_its_range(strea
     base[1, 0], lo[1, 0] = base[0, 0], lo[0, 0] + 1
     with pytest.raises(ValueError, match="range"):
         nested_simd.vector_tables(*args, base, lo, stride)
+
+
+def test_a_profile_without_contexts_decodes_as_the_scalar_one_does(profile, model,
+                                                                    sed_text) -> None:
+    """Stride 0 (a profile made before contexts: one base table a stream, one ternary
+    table per parent context): the base's entries then code no context, and the vector
+    decoder still gives the scalar one's values at every tier."""
+    kv = model.prefill(model.document_ids(sed_text)[: TOKENS + 8])[:, :, :, 8:]
+    mean, fine, depth, lo, size, base, refine, _ = profile.nested_arrays()
+    x = kv.float().numpy().reshape(-1, TOKENS, kv.shape[4]).copy()
+    states, words, start = nested.encode(x, mean, fine, depth, lo, size, base, refine, 0,
+                                         profile.freqs)  # fmt: skip
+    first = np.cumsum([0] + [len(w) for w in words])[:, None]
+    case = {
+        "words": np.concatenate([*words, np.zeros(4, np.uint16)]),
+        "wbeg": start[:, :-1] + first[:-1], "wend": start[:, 1:] + first[:-1],
+        "states": states, "lut": profile.decode_tables(), "cum": profile.table_starts(),
+        "mean": mean, "fine": fine, "depth": depth, "lo": lo, "base": base, "refine": refine,
+        "stride": np.array(0),
+    }  # fmt: skip
+    for k in range(depth.shape[0]):
+        want = decode(case, k, False, sliced=True)
+        assert np.array_equal(decode(case, k, True, sliced=True).view(np.uint32),
+                              want.view(np.uint32)), k  # fmt: skip
