@@ -370,7 +370,8 @@ def block_order(k: int, depth: np.ndarray) -> np.ndarray:
     if k == 0:
         return np.arange(G, dtype=np.int64)
     counts = coded_lanes(k, depth)
-    tried = [_swapped(counts, W, start) for start in (_greedy(counts, W),
+    by = np.argsort(-counts.sum(axis=0), kind="stable")  # the most coded lanes first
+    tried = [_swapped(counts, W, start) for start in (_greedy(counts, W, by),
              np.lexsort(counts[::-1]).astype(np.int64))]  # fmt: skip
     return min(tried, key=lambda order: int(block_steps(k, depth, order).sum()))
 
@@ -392,11 +393,11 @@ def block_steps(k: int, depth: np.ndarray, order: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _greedy(counts, width):  # pragma: no cover - jitted
+def _greedy(counts, width, by):  # pragma: no cover - jitted
+    """Blocks filled one after another, each from the group coding the most lanes left
+    (``by``: the groups in that order), with the groups that add the fewest steps."""
     k, G = counts.shape
     nb = (G + width - 1) // width
-    total = counts.sum(axis=0)
-    by = np.argsort(-total, kind="mergesort")  # the most coded lanes first
     used = np.zeros(G, np.bool_)
     member = np.zeros((nb, width), np.int64)
     size = np.zeros(nb, np.int64)
@@ -423,18 +424,7 @@ def _greedy(counts, width):  # pragma: no cover - jitted
             size[b] += 1
             for r in range(k):
                 top[b, r] = max(top[b, r], counts[r, pick])
-    return _flat(member, size)
-
-
-@njit(cache=True, nogil=True)
-def _flat(member, size):  # pragma: no cover - jitted
-    order = np.empty(size.sum(), np.int64)
-    at = 0
-    for b in range(len(size)):
-        for s in range(size[b]):
-            order[at] = member[b, s]
-            at += 1
-    return order
+    return member.reshape(-1)[:G].copy()  # every block full but the last
 
 
 @njit(cache=True, nogil=True)
@@ -474,10 +464,10 @@ def _swapped(counts, width, order):  # pragma: no cover - jitted
                             swapped = True
         if not swapped:
             break
-    return _flat(member, size)
+    return member.reshape(-1)[:G].copy()
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _block_stats(counts, member, size, b, best, which, second):  # pragma: no cover - jitted
     for r in range(counts.shape[0]):
         best[b, r], which[b, r], second[b, r] = -1, 0, 0
