@@ -382,15 +382,29 @@ def decode(
     Sixteen groups at a time in vector registers (:mod:`.nested_simd`) where the host
     has AVX-512 or AVX2 and the arrays allow, else (or with ``vector=False``) group by group;
     the two give the same values and errors. ``vector_tables``: the vector kernel's
-    form of ``lut`` and ``cum`` (:func:`.nested_simd.vector_tables`), and
+    form of ``lut``, ``cum``, ``base_tid``, ``lo`` and ``stride``
+    (:func:`.nested_simd.vector_tables`), and
     ``block_plan`` how its blocks take the groups (:func:`.nested_simd.plan_blocks` of
     ``k`` and ``depth``), which a caller decoding many chunks makes once; else made
     for this call."""
     from . import nested_simd  # it imports this module
 
     G = out.shape[0]
+    R = k + 1
+    # neither kernel checks its indices: the tiers, shapes and table ids are checked here
+    bounds = (np.shape(wbeg), np.shape(wend), np.shape(states)[:2])
+    if not 0 <= k < depth.shape[0] or any(len(b) != 2 or b[0] < R or b[1] != G for b in bounds):
+        raise ValueError("the tiers asked for are not those of the streams")
+    if np.shape(states)[2:] != (STATES,) or np.shape(refine_tid)[:1] != (depth.shape[0] - 1,):
+        raise ValueError("the streams' states or tables do not fit their tiers")
     if not len(words) or np.any(wbeg > wend) or np.any(wend > len(words)) or np.any(wbeg < 0):
         raise ValueError("stream bounds outside the words")
+    if np.any(np.asarray(states) < RANS_L):  # as a container's parser refuses them
+        raise ValueError("a stream's state is below the coder's range")
+    tables_n = lut.size // (1 << PROB_BITS)
+    for tid in (base_tid, refine_tid):
+        if np.size(tid) and (int(np.min(tid)) < 0 or int(np.max(tid)) + 2 * stride >= tables_n):
+            raise ValueError("a stream's table is not one of the decode tables")
     status = np.zeros(G, dtype=np.int64)
     wbeg = np.ascontiguousarray(wbeg, dtype=np.int64)
     wend = np.ascontiguousarray(wend, dtype=np.int64)

@@ -29,8 +29,9 @@ position), but groups are independent, so each vector lane keeps one group's sta
   as sixteen consecutive floats, ``mean + float32(n) * scale`` rounded twice as the
   scalar kernel rounds them.
 
-The last block of a range is filled with copies of its last group: they decode it
-again and write the same values to the same places. Word reads are clamped to each
+The last block of the order (wherever the threads' share puts it) is filled with
+copies of its last group: they decode it again and write the same values to the same
+places. Word reads are clamped to each
 group's stream as in the scalar kernel.
 """
 
@@ -106,6 +107,8 @@ def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray
         and lut.dtype == np.uint32
         and out.shape[2] % W == 0
         and out.strides[2] == out.itemsize
+        and out.strides[0] % out.itemsize == 0  # every row starts at an element
+        and out.strides[1] % out.itemsize == 0
         and len(words) < _MAX_ELEMENTS
         and lut.size < _MAX_ELEMENTS
         and int(np.maximum(wend - 1, wbeg).max(initial=0)) + WORDS_READ <= len(words)
@@ -123,13 +126,14 @@ def _word(p, last, read, pair0, pair1):  # pragma: no cover - jitted
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _base_step(x, p, last, read, pair0, pair1, at, rows, first, low, symbols, info, n
+def _base_step(x, p, last, read, pair0, pair1, at, rows, first, low, symbols, info, n, codes
                ):  # pragma: no cover - jitted  # fmt: skip
     """Lane ``at // W`` of every group from its states ``x`` (word position ``p``, its
     words read as :func:`_word` takes them): (new states, new position); the indices
     go to ``n[at:at + W]``. ``rows[at:]``: each group's table at this token, which the
     step sets for the next one (its ``first[at:]``, context 0's, plus the context the
-    symbol's entry codes)."""
+    symbol's entry codes, masked by ``codes``: 3, or 0 where every context has one table,
+    so that tables made for another stride cannot point past the tables)."""
     slot = x & _MASK
     table = load(rows, at)  # the table's first slot
     symbol = gather(symbols, table + slot)
@@ -138,7 +142,7 @@ def _base_step(x, p, last, read, pair0, pair1, at, rows, first, low, symbols, in
     take = v < RANS_L
     w = _word(p, last, read, pair0, pair1)
     store(n, at, symbol + load(low, at))
-    store(rows, at, load(first, at) + ((e & 3) << PROB_BITS))
+    store(rows, at, load(first, at) + ((e & codes) << PROB_BITS))
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
@@ -194,6 +198,7 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
     group_stride, token_stride = out.strides[0] // 4, out.strides[1] // 4
     rows = np.empty(D * W, np.uint32)  # lane-major: [d * W + lane]
     first = np.empty(D * W, np.uint32)
+    codes = np.uint32(3) if stride else np.uint32(0)
     low = np.empty(D * W, np.uint32)
     mu = np.empty(W * D, np.float32)  # group-major: [lane * D + d]
     scale = np.empty(W * D, np.float32)
@@ -274,13 +279,13 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                 read = minimum(p, end)
                 r0, r1 = gather_pair(words, read), gather_pair(words, read + 2)
                 x0, p = _base_step(x0, p, end, read, r0, r1, d * W, rows, first, low, symbols,
-                                   info, n)  # fmt: skip
+                                   info, n, codes)  # fmt: skip
                 x1, p = _base_step(x1, p, end, read, r0, r1, (d + 1) * W, rows, first, low,
-                                   symbols, info, n)  # fmt: skip
+                                   symbols, info, n, codes)  # fmt: skip
                 x2, p = _base_step(x2, p, end, read, r0, r1, (d + 2) * W, rows, first, low,
-                                   symbols, info, n)  # fmt: skip
+                                   symbols, info, n, codes)  # fmt: skip
                 x3, p = _base_step(x3, p, end, read, r0, r1, (d + 3) * W, rows, first, low,
-                                   symbols, info, n)  # fmt: skip
+                                   symbols, info, n, codes)  # fmt: skip
             store(xs, 0, x0)
             store(xs, W, x1)
             store(xs, 2 * W, x2)
@@ -328,7 +333,7 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
             status[g] = 0 if ok else 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BlockPlan:
     """How :func:`decode` takes a part's groups at tiers ``0..k``: ``order``, the groups
     in the order the blocks take them (:func:`block_order`), and ``steps``, each block's
@@ -364,7 +369,7 @@ def block_order(k: int, depth: np.ndarray) -> np.ndarray:
     groups that add the fewest steps) and the groups sorted by their tiers' counts,
     each then with groups swapped between blocks while a swap saves steps; the better
     of the two. Tiers 1-5 of the embedded model's 180 groups: 1,601 steps a token
-    against 1,849 sorted. 1-2 ms for 180 groups, 60 ms for 1,280; a decoder of many
+    against 1,849 sorted. 1-2 ms for 180 groups, 60-130 ms for 1,280; a decoder of many
     chunks makes it once per tiers and groups (the codec keeps it with the profile)."""
     G = depth.shape[1]
     if k == 0:
@@ -488,7 +493,8 @@ def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states
            plan: BlockPlan | None = None) -> None:  # fmt: skip
     """:func:`kvcdn.kernels.nested.decode`'s work on arrays it has checked and typed
     (where :func:`usable`): each group's end check into ``status``. ``tables``:
-    :func:`vector_tables` of ``lut`` and ``cum``, made now if not given; ``plan``:
+    :func:`vector_tables` of ``lut``, ``cum``, ``base_tid``, ``lo`` and ``stride``, made
+    now if not given; ``plan``:
     :func:`plan_blocks` of ``k`` and ``depth``, likewise. The blocks are shared out so
     that each thread takes about as many refinement steps."""
     G = out.shape[0]

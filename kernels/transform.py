@@ -71,6 +71,8 @@ def synthesise(y: np.ndarray, mt: np.ndarray, rotate: np.ndarray, cos: np.ndarra
     G, T, D = y.shape
     if out.shape != y.shape or mt.shape != (G, D, D) or rotate.shape != (G,) or D % 2:
         raise ValueError("the coefficients, matrices and output do not fit together")
+    if y.dtype != np.float32 or out.dtype != np.float32:
+        raise ValueError("the coefficients and values are float32")
     if np.any(rotate) and (cos.shape != (T, D // 2) or sin.shape != (T, D // 2)):
         raise ValueError("the rotary tables do not fit the tokens")
     parallel.run(_synthesise, G, y, np.ascontiguousarray(mt, dtype=np.float32),
@@ -92,7 +94,8 @@ def _synthesise(start, end, y, mt, rotate, cos, sin, out):  # pragma: no cover -
     blocked = D % BLOCK == 0
     # and the values written W at a time where rows are contiguous (a third of the
     # time was the rotary step and the copy, element by element)
-    lanes = blocked and out.strides[2] == 4 and (D // 2) % simd.W == 0
+    lanes = (blocked and out.strides[2] == 4 and out.strides[0] % 4 == 0
+             and out.strides[1] % 4 == 0 and (D // 2) % simd.W == 0)  # fmt: skip
     flat = mt.reshape(-1)
     zs = z.reshape(-1)
     for g in range(start, end):

@@ -241,8 +241,8 @@ class CodecProfile:
     _table_starts: Any = field(default=None, init=False, repr=False, compare=False)
     _per_level: dict[str, Any] = field(default_factory=dict, init=False, repr=False,
                                        compare=False)  # fmt: skip
-    _derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False,
-                                          compare=False)  # fmt: skip
+    _derived: OrderedDict[Hashable, Any] = field(default_factory=OrderedDict, init=False,
+                                                 repr=False, compare=False)  # fmt: skip
     _derived_lock: Any = field(default_factory=threading.Lock, init=False, repr=False,
                                compare=False)  # fmt: skip
 
@@ -252,14 +252,18 @@ class CodecProfile:
         one was changed."""
         self._bytes = self._sha256 = self._decode_tables = self._table_starts = None
         self._per_level = {}
-        self._derived = {}
+        self._derived = OrderedDict()
 
     def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, made once per ``key`` and kept with the profile: a GPU decoder's
         tables on its device (the decode tables alone are 6 MB, which every chunk would
         otherwise copy to the device again). At most :data:`DERIVED_KEPT` are kept, the
-        oldest dropped first."""
+        one used longest ago dropped first."""
         found = self._derived.get(key)
+        if found is not None:
+            with self._derived_lock:  # used now: the last to be dropped
+                if key in self._derived:
+                    self._derived.move_to_end(key)
         if found is None:
             found = make()  # outside the lock: two threads may both make it, once
             with self._derived_lock:

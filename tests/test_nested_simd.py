@@ -182,3 +182,36 @@ def test_a_profile_without_contexts_decodes_as_the_scalar_one_does(profile, mode
         want = decode(case, k, False, sliced=True)
         assert np.array_equal(decode(case, k, True, sliced=True).view(np.uint32),
                               want.view(np.uint32)), k  # fmt: skip
+
+
+def test_decode_refuses_tiers_states_and_tables_that_do_not_fit(streams) -> None:
+    """Neither kernel checks its indices, so the arrays are checked first: tiers past the
+    streams' (which crashed both kernels), a state below the coder's range and a table
+    past the decode tables are refused before a kernel runs."""
+    R = streams["depth"].shape[0]
+    out = np.empty((180, TOKENS, 64), np.float32)
+    with pytest.raises(ValueError, match="tiers"):
+        nested.decode(R, *(streams[a] for a in ARRAYS), out)
+    low = dict(streams, states=streams["states"].copy())
+    low["states"][1, 5, 2] = 5
+    with pytest.raises(ValueError, match="state"):
+        nested.decode(2, *(low[a] for a in ARRAYS), out)
+    far = dict(streams, base=streams["base"].copy())
+    far["base"][3, 3] = streams["lut"].size // 4096 - 2  # its contexts' tables run past
+    with pytest.raises(ValueError, match="table"):
+        nested.decode(1, *(far[a] for a in ARRAYS), out)
+
+
+def test_rows_that_do_not_start_at_an_element_take_the_scalar_kernel(streams) -> None:
+    """An output whose token rows are 258 bytes apart (a view of a byte buffer) is not
+    the vector kernel's, which writes whole elements from each row's first: decoded
+    there, it holds what an aligned output holds."""
+    want = decode(streams, 2, False, sliced=False)
+    raw = np.zeros(180 * TOKENS * 258 + 16, np.uint8)
+    flat = raw[2 : 2 + (len(raw) - 16) // 4 * 4].view(np.float32)
+    odd = np.lib.stride_tricks.as_strided(flat, shape=(180, TOKENS, 64),
+                                          strides=(TOKENS * 258, 258, 4))  # fmt: skip
+    assert not nested_simd.usable(odd, streams["words"], streams["lut"], streams["wbeg"],
+                                  streams["wend"])  # fmt: skip
+    nested.decode(2, *(streams[a] for a in ARRAYS), odd)
+    assert np.array_equal(np.ascontiguousarray(odd).view(np.uint32), want.view(np.uint32))

@@ -60,6 +60,16 @@ def test_the_inverse_kernel_is_the_specified_arithmetic_bit_for_bit(T: int, D: i
     assert np.allclose(back, y, atol=1e-3 * np.abs(y).max())
     with pytest.raises(ValueError, match="do not fit"):
         tf.synthesise(y, mt[:, : D // 2], rotate, cos, sin, out)
+    with pytest.raises(ValueError, match="float32"):
+        tf.synthesise(y, mt, rotate, cos, sin, out.astype(np.float64))
+    # rows 258 bytes apart (a view of a byte buffer): written element by element, the
+    # same bits (the 16-at-a-time writes count from each row's first element)
+    raw = np.zeros(G * T * (D * 4 + 2) + 16, np.uint8)
+    flat = raw[2 : 2 + (len(raw) - 16) // 4 * 4].view(np.float32)
+    odd = np.lib.stride_tricks.as_strided(flat, shape=(G, T, D),
+                                          strides=(T * (D * 4 + 2), D * 4 + 2, 4))  # fmt: skip
+    tf.synthesise(y, mt, rotate, cos, sin, odd)
+    assert np.array_equal(np.ascontiguousarray(odd).view(np.uint32), expected.view(np.uint32))
 
 
 def _rounded_once(exact: Fraction) -> np.float32:

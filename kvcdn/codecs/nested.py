@@ -112,7 +112,7 @@ class NestedCodec(Codec):
     ) -> None:  # fmt: skip
         import torch
 
-        from kvcdn.kernels import nested
+        from kvcdn.kernels import nested, simd
         from kvcdn.kernels.rans import RansError
 
         st = _streams(header, sections, part, profile, name, self.transformed)
@@ -165,7 +165,8 @@ class NestedCodec(Codec):
         try:
             nested.decode(st.k, st.words, st.wbeg, st.wend, st.states, *tables, staged[:, s:],
                           vector_tables=_vector_tables(profile),
-                          block_plan=_block_plan(profile, st, depth))  # fmt: skip
+                          block_plan=_block_plan(profile, st, depth) if simd.AVAILABLE
+                          else None)  # fmt: skip
         except RansError as exc:
             raise FormatError(f"{name}: {exc}") from None
         if transform is not None:  # the coefficients' values, in place
@@ -312,7 +313,7 @@ def _streams(
         raise FormatError(f"{name}: a section of {part} is truncated")
     if np.any(lengths & 1):  # every well-formed length is even: its words are whole
         bad = ids[int(np.flatnonzero(lengths & 1)[0])]
-        raise FormatError(f"{name}: section {bad}'s length is not what its counts say")
+        raise FormatError(f"{name}: section {bad}'s length is odd (its words are 16-bit)")
     # four padding words, so that a read clamped to an empty stream at the end, and the
     # vector decoder's four-word reads, stay inside
     words = np.frombuffer(b"".join([*raws, bytes(8)]), dtype="<u2")
