@@ -397,6 +397,9 @@ def decode(
         raise ValueError("the tiers asked for are not those of the streams")
     if np.shape(states)[2:] != (STATES,) or np.shape(refine_tid)[:1] != (depth.shape[0] - 1,):
         raise ValueError("the streams' states or tables do not fit their tiers")
+    lanes = (G, out.shape[2])  # each group's lanes: every per-stream array's last two axes
+    if any(np.shape(a)[-2:] != lanes for a in (mean, fine, depth, lo, base_tid, refine_tid)):
+        raise ValueError("the streams' arrays do not fit the output's groups and lanes")
     if not len(words) or np.any(wbeg > wend) or np.any(wend > len(words)) or np.any(wbeg < 0):
         raise ValueError("stream bounds outside the words")
     if np.any(np.asarray(states) < RANS_L):  # as a container's parser refuses them

@@ -215,3 +215,11 @@ def test_rows_that_do_not_start_at_an_element_take_the_scalar_kernel(streams) ->
                                   streams["wend"])  # fmt: skip
     nested.decode(2, *(streams[a] for a in ARRAYS), odd)
     assert np.array_equal(np.ascontiguousarray(odd).view(np.uint32), want.view(np.uint32))
+
+
+def test_decode_refuses_stream_arrays_of_other_groups_or_lanes(streams) -> None:
+    """Per-stream arrays (here the means) of fewer groups than the output are refused,
+    not read past their ends."""
+    short = dict(streams, mean=streams["mean"][:100])
+    with pytest.raises(ValueError, match="groups and lanes"):
+        nested.decode(1, *(short[a] for a in ARRAYS), np.empty((180, TOKENS, 64), np.float32))
