@@ -237,8 +237,7 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
             g = groups[lane]
             for d in range(D):
                 first[d * W + lane] = base_tid[g, d] * _SLOTS
-                rows[d * W + lane] = (base_tid[g, d] + stride) * _SLOTS  # context 1's
-                n[d * W + lane] = 0
+                rows[d * W + lane] = first[d * W + lane] + stride * _SLOTS  # context 1's
                 fin[lane * D + d] = d * W + lane
                 low[d * W + lane] = np.uint32(np.int64(lo[g, d]) & 0xFFFFFFFF)
                 mu[lane * D + d] = mean[g, d]
@@ -405,7 +404,6 @@ def _greedy(counts, width, by):  # pragma: no cover - jitted
     nb = (G + width - 1) // width
     used = np.zeros(G, np.bool_)
     member = np.zeros((nb, width), np.int64)
-    size = np.zeros(nb, np.int64)
     top = np.zeros((nb, k), np.int64)  # each block's steps in each tier
     for b in range(nb):
         for s in range(min(width, G - b * width)):
@@ -426,7 +424,6 @@ def _greedy(counts, width, by):  # pragma: no cover - jitted
                         break
             used[pick] = True
             member[b, s] = pick
-            size[b] += 1
             for r in range(k):
                 top[b, r] = max(top[b, r], counts[r, pick])
     return member.reshape(-1)[:G].copy()  # every block full but the last
