@@ -41,7 +41,7 @@ from . import parallel
 from .rans import PROB_BITS, RANS_L, RansError, cumulative
 
 if TYPE_CHECKING:
-    from .nested_simd import BlockPlan
+    from .nested_simd import BlockSetup
 
 STATES = 4
 _MASK = (1 << PROB_BITS) - 1
@@ -367,7 +367,7 @@ def decode(
     lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, stride: int,
     out: np.ndarray, vector: bool = True,
     vector_tables: tuple[np.ndarray, np.ndarray] | None = None,
-    block_plan: BlockPlan | None = None,
+    block_setup: BlockSetup | None = None,
 ) -> None:  # fmt: skip
     """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32).
 
@@ -384,9 +384,9 @@ def decode(
     the two give the same values and errors. ``vector_tables``: the vector kernel's
     form of ``lut``, ``cum``, ``base_tid``, ``lo`` and ``stride``
     (:func:`.nested_simd.vector_tables`), and
-    ``block_plan`` how its blocks take the groups (:func:`.nested_simd.plan_blocks` of
-    ``k`` and ``depth``), which a caller decoding many chunks makes once; else made
-    for this call."""
+    ``block_setup`` how its blocks take the groups and what each starts from
+    (:func:`.nested_simd.block_setup` of :func:`.nested_simd.plan_blocks` and these
+    arrays), which a caller decoding many chunks makes once; else made for this call."""
     from . import nested_simd  # it imports this module
 
     G = out.shape[0]
@@ -422,7 +422,7 @@ def decode(
         np.ascontiguousarray(refine_tid, dtype=np.int64), check_stride(stride),
     )  # fmt: skip
     if vector and nested_simd.usable(out, words, lut, wbeg, wend):
-        nested_simd.decode(*args, depth, *tables, out, status, vector_tables, block_plan)
+        nested_simd.decode(*args, depth, *tables, out, status, vector_tables, block_setup)
     else:
         parallel.run(_decode, G, *args, np.ascontiguousarray(depth[-1]), depth, *tables, out,
                      status)  # fmt: skip

@@ -29,6 +29,11 @@ position), but groups are independent, so each vector lane keeps one group's sta
   as sixteen consecutive floats, ``mean + float32(n) * scale`` rounded twice as the
   scalar kernel rounds them.
 
+* A block's start (its groups' tables, ranges, means and scales, each refinement step's
+  parent rows and cut points) depends on the profile and the groups alone: made once,
+  :class:`BlockSetup`, it is read by every chunk's decode from there (filled for every
+  chunk, it took 0.4 ms of a ``nearlossless`` chunk's 7).
+
 The last block of the order (wherever the threads' share puts it) is filled with
 copies of its last group: they decode it again and write the same values to the same
 places. Word reads are clamped to each
@@ -147,16 +152,16 @@ def _base_step(x, p, last, read, pair0, pair1, at, rows, first, low, symbols, in
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _refine_step(x, p, last, read, pair0, pair1, at, coded, cuts, prev, n
+def _refine_step(x, p, last, read, pair0, pair1, at, coded, cuts, skip, prev, n
                  ):  # pragma: no cover - jitted  # fmt: skip
     """Coded lane ``at`` of a tier (``coded[at * W:]``: where each group's parent index
     lies in ``n``; ``prev[at * W:]`` its symbol at the previous token): (new states,
     new position; its words read as :func:`_word` takes them); the new indices go to
-    ``n[at * W:]``. A ternary table is its two
-    cut points (``cuts[at * 9 * W:]``: ``first | second << 16`` per context ``3
-    min(|parent|, 2) + prev``). A group past its last coded lane steps through a table
-    of one symbol of probability 1, which leaves its state, and so its position, as
-    they are, and writes an index nothing reads."""
+    ``n[at * W:]``. A ternary table is its two cut points (``cuts[(at - skip) * 9 * W:]``,
+    ``skip`` the base's rows: ``first | second << 16`` per context ``3 min(|parent|, 2) +
+    prev``). A group past its last coded lane steps through a table of one symbol of
+    probability 1, which leaves its state, and so its position, as they are, and writes
+    an index nothing reads."""
     where = load(coded, at * W)
     parent = gather(n, where)
     sign = sra(parent, 31)
@@ -165,7 +170,7 @@ def _refine_step(x, p, last, read, pair0, pair1, at, coded, cuts, prev, n
     # parent (a gather of the context's cut points from all nine waited for it)
     before = load(prev, at * W)
     one, two = before & 1, before >> 1  # the symbol is 0, 1 or 2
-    c = at * 9 * W
+    c = (at - skip) * 9 * W
     middle = select(two, load(cuts, c + 2 * W), select(one, load(cuts, c + W), load(cuts, c)))
     near = select(two, load(cuts, c + 5 * W),
                   select(one, load(cuts, c + 4 * W), load(cuts, c + 3 * W)))
@@ -188,87 +193,47 @@ def _refine_step(x, p, last, read, pair0, pair1, at, coded, cuts, prev, n
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols, info, cut_of,
-                   mean, fine, top, depth, lo, base_tid, refine_tid, stride, out, status
-                   ):  # pragma: no cover  # fmt: skip
+def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols, info, tier_at,
+                   row_at, most, first, low, mu, scale, fin, coded, cuts, prev0, stride, out,
+                   status):  # pragma: no cover  # fmt: skip
     """Blocks ``blocks[b0:b1]`` of ``W`` groups (block ``b``: ``order[b * W:]``), tiers
-    ``0..k``."""
+    ``0..k``, each started from its part of a :class:`BlockSetup` (``tier_at`` to
+    ``prev0``; ``most`` its largest block's rows)."""
     G, T, D = out.shape
     R = k + 1
     group_stride, token_stride = out.strides[0] // 4, out.strides[1] // 4
     rows = np.empty(D * W, np.uint32)  # lane-major: [d * W + lane]
-    first = np.empty(D * W, np.uint32)
     codes = np.uint32(3) if stride else np.uint32(0)
-    low = np.empty(D * W, np.uint32)
-    mu = np.empty(W * D, np.float32)  # group-major: [lane * D + d]
-    scale = np.empty(W * D, np.float32)
-    coded = np.zeros(R * D * W, np.uint32)
-    cuts = np.zeros(R * D * 9 * W, np.uint32)  # first | second << 16, per context
-    prev = np.zeros(R * D * W, np.uint32)  # [at * W + lane]: the previous token's symbols
+    context_1 = np.uint32(stride * _SLOTS)
+    prev = np.zeros(most * W, np.uint32)  # [at * W + lane]: the previous token's symbols
     xs = np.empty(R * STATES * W, np.uint32)
     pos = np.empty(R * W, np.uint32)
     last = np.empty(R * W, np.uint32)
-    steps = np.zeros(R, np.int64)
     # indices: the base's [d * W + lane], then a row per refinement step [at * W + lane]
-    n = np.zeros(R * D * W, np.uint32)
-    fin = np.empty(W * D, np.uint32)  # [lane * D + d]: where lane d's last index lies in n
+    n = np.zeros(most * W, np.uint32)
     groups = np.empty(W, np.int64)
-    count = np.zeros(R * W, np.int64)  # [r * W + lane]: the lanes a group codes in tier r
-    lanes_of = np.zeros(R * W * D, np.int64)  # and which: [(r * W + lane) * D + q]
     for at_block in range(b0, b1):
         block = blocks[at_block]
-        # each group's coded lanes in each tier, and each tier's steps: the most lanes
-        # a group of the block codes (rows past a group's own coded lanes, up to
-        # those, are filled with the table that changes nothing; rows past them are
-        # never read)
-        steps[:] = 0
+        # the block's setup (the same for every chunk of these groups): views
+        lanes = block * D * W
+        first_b, low_b = first[lanes : lanes + D * W], low[lanes : lanes + D * W]
+        mu_b, scale_b, fin_b = (mu[lanes : lanes + D * W], scale[lanes : lanes + D * W],
+                                fin[lanes : lanes + D * W])  # fmt: skip
+        r0, r1 = row_at[block], row_at[block + 1]
+        coded_b = coded[r0 * W : r1 * W]
+        cuts_b = cuts[(r0 - block * D) * 9 * W :]  # its refinement rows: from row D on
+        for i in range(D * W):
+            rows[i] = first_b[i] + context_1
+        for i in range(D * W, (r1 - r0) * W):
+            prev[i] = prev0[r0 * W + i]
         for lane in range(W):
             g = order[min(block * W + lane, G - 1)]
             groups[lane] = g
-            for r in range(1, R):
-                q = 0
-                for d in range(D):
-                    if depth[r, g, d] != depth[r - 1, g, d]:
-                        lanes_of[(r * W + lane) * D + q] = d
-                        q += 1
-                count[r * W + lane] = q
-                steps[r] = max(steps[r], q)
-        for lane in range(W):
-            g = groups[lane]
-            for d in range(D):
-                first[d * W + lane] = base_tid[g, d] * _SLOTS
-                rows[d * W + lane] = first[d * W + lane] + stride * _SLOTS  # context 1's
-                fin[lane * D + d] = d * W + lane
-                low[d * W + lane] = np.uint32(np.int64(lo[g, d]) & 0xFFFFFFFF)
-                mu[lane * D + d] = mean[g, d]
-                scale[lane * D + d] = np.float32(_pow3(top[g, d] - depth[k, g, d])) * fine[g, d]
             for r in range(R):
                 for i in range(STATES):
                     xs[(r * STATES + i) * W + lane] = states[r, g, i]
                 pos[r * W + lane] = wbeg[r, g]
                 last[r * W + lane] = max(wend[r, g] - 1, wbeg[r, g])
-        # a step's rows for all sixteen lanes at once: its cut points are nine cache
-        # lines that the lanes fill together (lane by lane, a tier's lines left the L1
-        # cache before the next lane came back to them)
-        for r in range(1, R):
-            for q in range(steps[r]):
-                at = r * D + q
-                for lane in range(W):
-                    if q < count[r * W + lane]:
-                        g, d = groups[lane], lanes_of[(r * W + lane) * D + q]
-                        coded[at * W + lane] = fin[lane * D + d]
-                        fin[lane * D + d] = at * W + lane
-                        prev[at * W + lane] = 1
-                        for parent in range(3):  # the parent's context, then the symbol's
-                            tab = refine_tid[r - 1, parent, g, d]
-                            for before in range(3):
-                                c = (at * 9 + parent * 3 + before) * W + lane
-                                cuts[c] = cut_of[tab + before * stride]
-                    else:  # past its coded lanes
-                        coded[at * W + lane] = at * W + lane
-                        prev[at * W + lane] = 0
-                        for c in range(9):
-                            cuts[(at * 9 + c) * W + lane] = _SLOTS | (_SLOTS << 16)
         for t in range(T):
             x0, x1, x2, x3 = load(xs, 0), load(xs, W), load(xs, 2 * W), load(xs, 3 * W)
             p, end = load(pos, 0), load(last, 0)
@@ -276,15 +241,15 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                 # the next four words of each stream in two reads, before the steps
                 # that may take them (a read a step waited for the step before it)
                 read = minimum(p, end)
-                r0, r1 = gather_pair(words, read), gather_pair(words, read + 2)
-                x0, p = _base_step(x0, p, end, read, r0, r1, d * W, rows, first, low, symbols,
-                                   info, n, codes)  # fmt: skip
-                x1, p = _base_step(x1, p, end, read, r0, r1, (d + 1) * W, rows, first, low,
+                r0w, r1w = gather_pair(words, read), gather_pair(words, read + 2)
+                x0, p = _base_step(x0, p, end, read, r0w, r1w, d * W, rows, first_b, low_b,
                                    symbols, info, n, codes)  # fmt: skip
-                x2, p = _base_step(x2, p, end, read, r0, r1, (d + 2) * W, rows, first, low,
-                                   symbols, info, n, codes)  # fmt: skip
-                x3, p = _base_step(x3, p, end, read, r0, r1, (d + 3) * W, rows, first, low,
-                                   symbols, info, n, codes)  # fmt: skip
+                x1, p = _base_step(x1, p, end, read, r0w, r1w, (d + 1) * W, rows, first_b,
+                                   low_b, symbols, info, n, codes)  # fmt: skip
+                x2, p = _base_step(x2, p, end, read, r0w, r1w, (d + 2) * W, rows, first_b,
+                                   low_b, symbols, info, n, codes)  # fmt: skip
+                x3, p = _base_step(x3, p, end, read, r0w, r1w, (d + 3) * W, rows, first_b,
+                                   low_b, symbols, info, n, codes)  # fmt: skip
             store(xs, 0, x0)
             store(xs, W, x1)
             store(xs, 2 * W, x2)
@@ -295,19 +260,20 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                 x0, x1 = load(xs, o), load(xs, o + W)
                 x2, x3 = load(xs, o + 2 * W), load(xs, o + 3 * W)
                 p, end = load(pos, r * W), load(last, r * W)
-                a, e = r * D, r * D + steps[r]
+                a, e = tier_at[block, r], tier_at[block, r + 1]
                 while a < e:
                     read = minimum(p, end)
-                    r0, r1 = gather_pair(words, read), gather_pair(words, read + 2)
-                    x0, p = _refine_step(x0, p, end, read, r0, r1, a, coded, cuts, prev, n)
+                    r0w, r1w = gather_pair(words, read), gather_pair(words, read + 2)
+                    x0, p = _refine_step(x0, p, end, read, r0w, r1w, a, coded_b, cuts_b, D, prev,
+                                         n)  # fmt: skip
                     if a + 1 < e:
-                        x1, p = _refine_step(x1, p, end, read, r0, r1, a + 1, coded, cuts,
+                        x1, p = _refine_step(x1, p, end, read, r0w, r1w, a + 1, coded_b, cuts_b, D,
                                              prev, n)  # fmt: skip
                     if a + 2 < e:
-                        x2, p = _refine_step(x2, p, end, read, r0, r1, a + 2, coded, cuts,
+                        x2, p = _refine_step(x2, p, end, read, r0w, r1w, a + 2, coded_b, cuts_b, D,
                                              prev, n)  # fmt: skip
                     if a + 3 < e:
-                        x3, p = _refine_step(x3, p, end, read, r0, r1, a + 3, coded, cuts,
+                        x3, p = _refine_step(x3, p, end, read, r0w, r1w, a + 3, coded_b, cuts_b, D,
                                              prev, n)  # fmt: skip
                     a += 4
                 store(xs, o, x0)
@@ -318,8 +284,8 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
             for lane in range(W):
                 row = groups[lane] * group_stride + t * token_stride
                 for d in range(0, D, W):
-                    put_values(out, row + d, gather(n, load(fin, lane * D + d)), mu, scale,
-                               lane * D + d)  # fmt: skip
+                    put_values(out, row + d, gather(n, load(fin_b, lane * D + d)), mu_b,
+                               scale_b, lane * D + d)  # fmt: skip
         for lane in range(W):
             g = groups[lane]
             ok = True
@@ -330,6 +296,72 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                     if xs[(r * STATES + i) * W + lane] != RANS_L:
                         ok = False
             status[g] = 0 if ok else 1
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _setup_blocks(k, order, depth, top, lo, base_tid, refine_tid, cut_of, mean, fine, stride
+                  ):  # pragma: no cover - jitted  # fmt: skip
+    """:class:`BlockSetup`'s arrays (see it) for the blocks of ``order``."""
+    G, D = depth.shape[1], depth.shape[2]
+    R = k + 1
+    B = (G + W - 1) // W
+    tier_at = np.zeros((B, R + 1), np.int64)
+    row_at = np.zeros(B + 1, np.int64)
+    for b in range(B):  # each tier's steps in each block: the most lanes a group codes
+        tier_at[b, 0], tier_at[b, 1] = 0, D
+        for r in range(1, R):
+            most = 0
+            for lane in range(W):
+                g = order[min(b * W + lane, G - 1)]
+                q = 0
+                for d in range(D):
+                    if depth[r, g, d] != depth[r - 1, g, d]:
+                        q += 1
+                most = max(most, q)
+            tier_at[b, r + 1] = tier_at[b, r] + most
+        row_at[b + 1] = row_at[b] + tier_at[b, R]
+    first = np.empty(B * D * W, np.uint32)
+    low = np.empty(B * D * W, np.uint32)
+    mu = np.empty(B * D * W, np.float32)
+    scale = np.empty(B * D * W, np.float32)
+    fin = np.empty(B * D * W, np.uint32)
+    coded = np.zeros(row_at[B] * W, np.uint32)
+    prev0 = np.zeros(row_at[B] * W, np.uint32)
+    cuts = np.empty((row_at[B] - B * D) * 9 * W, np.uint32)  # refinement rows only
+    for b in range(B):
+        lanes, r0 = b * D * W, row_at[b]
+        c0 = r0 - b * D  # the block's first refinement row among all blocks' refinement rows
+        for lane in range(W):
+            g = order[min(b * W + lane, G - 1)]
+            for d in range(D):
+                first[lanes + d * W + lane] = base_tid[g, d] * _SLOTS
+                low[lanes + d * W + lane] = np.uint32(np.int64(lo[g, d]) & 0xFFFFFFFF)
+                fin[lanes + lane * D + d] = d * W + lane
+                mu[lanes + lane * D + d] = mean[g, d]
+                scale[lanes + lane * D + d] = (np.float32(_pow3(top[g, d] - depth[k, g, d]))
+                                               * fine[g, d])  # fmt: skip
+            for r in range(1, R):
+                q = 0
+                for d in range(D):
+                    if depth[r, g, d] == depth[r - 1, g, d]:
+                        continue
+                    at = tier_at[b, r] + q
+                    q += 1
+                    coded[(r0 + at) * W + lane] = fin[lanes + lane * D + d]
+                    fin[lanes + lane * D + d] = at * W + lane
+                    prev0[(r0 + at) * W + lane] = 1
+                    for parent in range(3):  # the parent's context, then the symbol's
+                        tab = refine_tid[r - 1, parent, g, d]
+                        for before in range(3):
+                            c = ((c0 + at - D) * 9 + parent * 3 + before) * W + lane
+                            cuts[c] = cut_of[tab + before * stride]
+                # past its coded lanes: a table of one symbol of probability 1, which
+                # changes nothing, and an index nothing reads (its own row's)
+                for at in range(tier_at[b, r] + q, tier_at[b, r + 1]):
+                    coded[(r0 + at) * W + lane] = at * W + lane
+                    for c in range(9):
+                        cuts[((c0 + at - D) * 9 + c) * W + lane] = _SLOTS | (_SLOTS << 16)
+    return tier_at, row_at, first, low, mu, scale, fin, coded, cuts, prev0
 
 
 @dataclass(frozen=True, eq=False)
@@ -358,6 +390,69 @@ def plan_blocks(k: int, depth: np.ndarray) -> BlockPlan:
     """The :class:`BlockPlan` of tiers ``0..k`` of groups of ``depth [R, G, D]``."""
     order = block_order(k, depth)
     return BlockPlan(order, block_steps(k, depth, order))
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSetup:
+    """What each of a plan's blocks starts from, the same for every chunk of its groups
+    at tiers ``0..k`` (made from the profile's arrays alone): each group's base tables,
+    ranges, means and scales, where its lanes' last indices lie, and each refinement
+    step's parent rows, previous symbols and cut points (nine contexts). Made once by
+    :func:`block_setup` (the codec keeps it with the profile), so that a chunk's decode
+    starts each block from views of it: filling these for every chunk took 0.4 ms of a
+    ``nearlossless`` chunk's 7. Its memory: 28 bytes a lane of each group (and of a last
+    block's copies), and 704 bytes each step of each block (nine cut points for sixteen
+    lanes, a parent row and a previous symbol): 1.5 MB for all six tiers of the embedded
+    model (1,601 steps), made in about 1 ms.
+
+    The kernel reads these indices without checks: they are made here, within the
+    blocks' own rows, and :func:`decode` takes a setup only for groups, lanes, tiers,
+    stride and tables of its arrays' shapes (a setup of other arrays of those shapes
+    decodes wrong values, never outside the arrays)."""
+
+    plan: BlockPlan
+    k: int
+    shape: tuple[int, int, int]  # the depth's (tiers, groups, lanes)
+    stride: int
+    tables: int  # the decode tables it starts base steps in: at most this many
+    arrays: tuple[np.ndarray, ...]  # _setup_blocks's, in its order
+    most: int  # the rows of its largest block
+
+
+def block_setup(plan: BlockPlan, k: int, depth: np.ndarray, lo: np.ndarray,
+                base_tid: np.ndarray, refine_tid: np.ndarray, cum: np.ndarray,
+                mean: np.ndarray, fine: np.ndarray, stride: int) -> BlockSetup:  # fmt: skip
+    """The :class:`BlockSetup` of ``plan``'s blocks at tiers ``0..k`` (arrays as
+    :func:`decode` takes them); ValueError if the plan's order is not one of these
+    groups."""
+    R, G, D = depth.shape
+    order = plan.order
+    if (order.dtype != np.int64 or order.shape != (G,)
+            or not np.array_equal(np.sort(order), np.arange(G))):  # fmt: skip
+        raise ValueError("the block plan is not one of these groups")
+    if len(plan.steps) != -(-G // W):
+        raise ValueError("the block plan is not one of these groups")
+    if not 0 <= k < R or np.shape(refine_tid) != (R - 1, 3, G, D) or any(
+        np.shape(a) != (G, D) for a in (lo, base_tid, mean, fine)
+    ):
+        raise ValueError("the block setup's arrays do not fit the depth's tiers and groups")
+    for tid in (base_tid, refine_tid):  # what the setup reads its tables at
+        if np.size(tid) and (int(np.min(tid)) < 0 or int(np.max(tid)) + 2 * stride >= len(cum)):
+            raise ValueError("a stream's table is not one of the decode tables")
+    cum = np.asarray(cum, dtype=np.int64)
+    cut_of = (cum[:, 1] | (cum[:, 2] << 16)).astype(np.uint32)  # each ternary table's cuts
+    depth = np.ascontiguousarray(depth, dtype=np.int64)
+    arrays = _setup_blocks(
+        k, order, depth, np.ascontiguousarray(depth[-1]),
+        *(np.ascontiguousarray(a, dtype=np.int64) for a in (lo, base_tid, refine_tid)), cut_of,
+        *(np.ascontiguousarray(a, dtype=np.float32) for a in (mean, fine)), int(stride),
+    )  # fmt: skip
+    for a in arrays:
+        a.flags.writeable = False  # shared by every chunk's decode
+    row_at = arrays[1]
+    tables = int(base_tid.max(initial=0)) + 2 * stride + 1
+    return BlockSetup(plan, k, (R, G, D), stride, tables, arrays,
+                      int(np.diff(row_at).max(initial=0)))  # fmt: skip
 
 
 def block_order(k: int, depth: np.ndarray) -> np.ndarray:
@@ -487,29 +582,29 @@ def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states
            depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray,
            stride: int, out: np.ndarray, status: np.ndarray,
            tables: tuple[np.ndarray, np.ndarray] | None = None,
-           plan: BlockPlan | None = None) -> None:  # fmt: skip
+           setup: BlockSetup | None = None) -> None:  # fmt: skip
     """:func:`kvcdn.kernels.nested.decode`'s work on arrays it has checked and typed
     (where :func:`usable`): each group's end check into ``status``. ``tables``:
     :func:`vector_tables` of ``lut``, ``cum``, ``base_tid``, ``lo`` and ``stride``, made
-    now if not given; ``plan``:
-    :func:`plan_blocks` of ``k`` and ``depth``, likewise. The blocks are shared out so
-    that each thread takes about as many refinement steps."""
+    now if not given; ``setup``: :func:`block_setup` of :func:`plan_blocks` and these
+    arrays, likewise. The blocks are shared out so that each thread takes about as many
+    refinement steps."""
     G = out.shape[0]
     symbols, info = (tables if tables is not None
                      else vector_tables(lut, cum, base_tid, lo, stride))  # fmt: skip
     if len(symbols) != lut.size + 3 or len(info) != lut.size // _SLOTS * _SYMBOLS:
         raise ValueError("the vector tables are not those of these decode tables")
-    if plan is None:
-        plan = plan_blocks(k, depth)
-    order, blocks = plan.order, plan.blocks()
-    # the kernel does not check its indices: the order must be one of these groups
-    if (order.dtype != np.int64 or order.shape != (G,) or blocks.dtype != np.int64
-            or not np.array_equal(np.sort(order), np.arange(G))
-            or not np.array_equal(np.sort(blocks), np.arange(-(-G // W)))):  # fmt: skip
+    if setup is None:
+        setup = block_setup(plan_blocks(k, depth), k, depth, lo, base_tid, refine_tid, cum,
+                            mean, fine, stride)  # fmt: skip
+    # the kernel does not check the setup's indices: it must be one of arrays like these
+    if (setup.k != k or setup.shape != depth.shape or setup.stride != stride
+            or setup.tables > lut.size // _SLOTS):  # fmt: skip
+        raise ValueError("the block setup is not one of these groups and tables")
+    order, blocks = setup.plan.order, setup.plan.blocks()
+    if blocks.dtype != np.int64 or not np.array_equal(np.sort(blocks), np.arange(-(-G // W))):
         raise ValueError("the block plan is not one of these groups")
-    cut_of = cum[:, 1] | (cum[:, 2] << 16)  # each (ternary) table's cut points
     parallel.run(
-        _decode_blocks, len(blocks), blocks, order, k, words, wbeg, wend, states,
-        symbols, info, cut_of, mean, fine, np.ascontiguousarray(depth[-1]), depth, lo,
-        base_tid, refine_tid, stride, out, status,
+        _decode_blocks, len(blocks), blocks, order, k, words, wbeg, wend, states, symbols,
+        info, *setup.arrays[:2], setup.most, *setup.arrays[2:], stride, out, status,
     )  # fmt: skip

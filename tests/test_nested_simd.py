@@ -127,6 +127,12 @@ def test_blocks_take_fewer_steps_than_groups_sorted_by_their_counts(streams) -> 
     assert nested_simd.block_order(0, depth).tolist() == list(range(180))
 
 
+def setup_of(case: dict[str, np.ndarray], k: int, plan: nested_simd.BlockPlan
+             ) -> nested_simd.BlockSetup:  # fmt: skip
+    args = (case[a] for a in ("depth", "lo", "base", "refine", "cum", "mean", "fine"))
+    return nested_simd.block_setup(plan, k, *args, int(case["stride"]))
+
+
 def test_any_order_of_the_groups_decodes_the_same_and_others_are_refused(streams) -> None:
     """The order shares groups out to blocks and blocks to threads, nothing else: the
     values are the scalar decoder's whatever the order; an order that is not one of
@@ -137,15 +143,49 @@ def test_any_order_of_the_groups_decodes_the_same_and_others_are_refused(streams
     for order in (np.arange(180)[::-1].copy(), np.random.default_rng(1).permutation(180)):
         got = np.full_like(want, np.nan)
         plan = nested_simd.BlockPlan(order.astype(np.int64), np.zeros(12, np.int64))
-        nested.decode(k, *arrays, got, block_plan=plan)
+        nested.decode(k, *arrays, got, block_setup=setup_of(streams, k, plan))
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     for bad in (np.zeros(180), np.arange(179), np.arange(1, 181)):
         plan = nested_simd.BlockPlan(bad.astype(np.int64), np.zeros(12, np.int64))
         with pytest.raises(ValueError, match="block plan"):
-            nested.decode(k, *arrays, np.empty_like(want), block_plan=plan)
+            setup_of(streams, k, plan)
     plan = nested_simd.BlockPlan(np.arange(180), np.zeros(11, np.int64))  # 12 blocks
     with pytest.raises(ValueError, match="block plan"):
-        nested.decode(k, *arrays, np.empty_like(want), block_plan=plan)
+        setup_of(streams, k, plan)
+
+
+def test_a_block_setup_is_taken_only_for_arrays_of_its_shapes(streams) -> None:
+    """A block setup (made once per profile, tiers and groups, then read by the kernel
+    without bounds checks) is refused for other tiers, groups or lanes, another
+    stride, or tables fewer than its base steps start in; one made for the arrays
+    decodes as the scalar kernel does, chunk after chunk."""
+    k = streams["depth"].shape[0] - 1
+    arrays = [streams[a] for a in ARRAYS]
+    plan = nested_simd.plan_blocks(k, streams["depth"])
+    setup = setup_of(streams, k, plan)
+    want = decode(streams, k, False, sliced=True)
+    for _ in range(2):
+        got = np.full_like(want, np.nan)
+        nested.decode(k, *arrays, got, block_setup=setup)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not any(a.flags.writeable for a in setup.arrays)  # shared by every decode
+    lower = setup_of(streams, k - 1, nested_simd.plan_blocks(k - 1, streams["depth"]))
+    with pytest.raises(ValueError, match="block setup"):
+        nested.decode(k, *arrays, np.empty_like(want), block_setup=lower)
+    few = groups_of(streams, np.arange(20))
+    with pytest.raises(ValueError, match="block setup"):
+        nested.decode(k, *(few[a] for a in ARRAYS), np.empty((20, TOKENS, 64), np.float32),
+                      block_setup=setup)  # fmt: skip
+    lut = streams["lut"][: setup.tables - 1]  # the setup's base tables past these
+    small = dict(streams, lut=lut, cum=streams["cum"][: len(lut)])
+    with pytest.raises(ValueError, match="table"):
+        nested.decode(k, *(small[a] for a in ARRAYS), np.empty_like(want), block_setup=setup)
+    with pytest.raises(ValueError, match="do not fit"):
+        setup_of(dict(streams, lo=streams["lo"][:20]), k, plan)
+    bad = streams["refine"].copy()
+    bad[0, 0, 0, 0] = len(streams["cum"])
+    with pytest.raises(ValueError, match="table"):
+        setup_of(dict(streams, refine=bad), k, plan)
 
 
 def test_vector_tables_refuse_streams_that_share_a_table_but_not_its_range(streams) -> None:
