@@ -309,7 +309,9 @@ def _streams(
     count = part.tier_count(tiers)
     if not part.fits(header.shape) or not 1 <= count <= tiers:
         raise FormatError(f"{name}: part {part} is not within this object")
-    ids = part.section_ids(layers, heads, tiers)  # tier-major, then head, then layer
+    geometry = profile.derived(("nested-part", part, count),
+                               lambda: _part_geometry(part, layers, heads, count))  # fmt: skip
+    ids, sec, kv = geometry.ids, geometry.sections, geometry.kv
     try:
         raws = [sections[i] for i in ids]
     except KeyError:
@@ -341,11 +343,6 @@ def _streams(
     if np.any(lengths != body + 2 * (nk + nv)):
         bad = ids[int(np.flatnonzero(lengths != body + 2 * (nk + nv))[0])]
         raise FormatError(f"{name}: section {bad}'s length is not what its counts say")
-    # the part's groups in order (layer, K/V, head), and each one's section in a tier
-    lp, hp = part.layer_count, part.head_count
-    layer, kv, head = (a.ravel() for a in np.meshgrid(np.arange(lp), np.arange(2),
-                                                      np.arange(hp), indexing="ij"))  # fmt: skip
-    sec = np.arange(count)[:, None] * per_tier + head * lp + layer  # [tiers, groups]
     wbeg = first[sec] + body[sec] // 2 + kv * nk[sec]
     wend = wbeg + np.where(kv == 1, nv[sec], nk[sec])
     at = first[sec][..., None] + 6 + 2 * STATES * kv[:, None] + 2 * np.arange(STATES)
@@ -354,7 +351,31 @@ def _streams(
         raise FormatError(f"{name}: a stream state is out of range")
     sink_at = first[sec[0]] + head_size // 2 + kv * sinks * dim
     sink = words[sink_at[:, None] + np.arange(sinks * dim)].view("<f2")
+    sink = sink.reshape(len(geometry.gids), sinks, dim)
+    return _Streams(count - 1, sinks, sink, states, words, wbeg, wend, geometry.gids, start)
+
+
+@dataclass(frozen=True, eq=False)
+class _PartGeometry:
+    """Where a part's streams lie among its sections, the same for every chunk of one
+    shape: read-only arrays, shared by every decode."""
+
+    ids: tuple[int, ...]  # the part's sections in table order: tier, then head, then layer
+    sections: np.ndarray  # [tiers, groups]: each group's (layer, K/V, head) in ``ids``
+    kv: np.ndarray  # [groups]: 0 for K, 1 for V
+    gids: np.ndarray  # [groups]: the groups' ids in the whole chunk
+
+
+def _part_geometry(part: Part, layers: int, heads: int, tiers: int) -> _PartGeometry:
+    """The :class:`_PartGeometry` of ``part`` (its first ``tiers`` tiers) of a chunk of
+    ``layers`` layers and ``heads`` KV heads, which the codec keeps with the profile
+    (made for every chunk, it took a fifth of a ``nearlossless`` chunk's checks)."""
+    lp, hp = part.layer_count, part.head_count
+    layer, kv, head = (a.ravel() for a in np.meshgrid(np.arange(lp), np.arange(2),
+                                                      np.arange(hp), indexing="ij"))  # fmt: skip
+    sections = np.arange(tiers)[:, None] * (lp * hp) + head * lp + layer
     gids = ((part.layers[0] + layer) * 2 + kv) * heads + part.heads[0] + head
-    sink = sink.reshape(len(gids), sinks, dim)
-    return _Streams(count - 1, sinks, sink, states, words, wbeg, wend, gids.astype(np.int64),
-                    start)  # fmt: skip
+    arrays = (sections, kv, gids.astype(np.int64))
+    for a in arrays:
+        a.flags.writeable = False
+    return _PartGeometry(tuple(part.section_ids(layers, heads, tiers)), *arrays)
