@@ -35,6 +35,7 @@ import fsspec
 from . import keys, paths
 from .errors import FormatError, InputError, NotFound, StoreError
 from .manifest import ObjectSpan
+from .sigv4 import PresignedGetSigner
 
 if TYPE_CHECKING:
     from .manifest import ObjectRef
@@ -645,7 +646,7 @@ class S3Store(Store):
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str) -> None:
         super().__init__(url, fs, root)
-        self._signers: dict[str, tuple[str, str, Any] | None] = {}  # by bucket
+        self._signers: dict[str, PresignedGetSigner | None] = {}  # by bucket
 
     def _create(self, path: str, data: bytes) -> bool:
         try:
@@ -750,29 +751,21 @@ class S3Store(Store):
         None without credentials to sign with.
 
         botocore's client resolves where a bucket's keys live once; each key is then
-        signed by botocore's own query signer, about a third of the client's per-call cost
-        (its endpoint rules, parameter checks and events), which an edge pays per miss."""
+        signed by :class:`~.sigv4.PresignedGetSigner` (an edge signs one per miss)."""
         bucket, _, path = self._path(key).partition("/")
         try:
-            signing = self._signing(bucket)
-            if signing is None:
+            signer = self._signer(bucket)
+            if signer is None:
                 return None
-            from botocore.auth import S3SigV4QueryAuth
-            from botocore.awsrequest import AWSRequest
-
-            base, region, credentials = signing
-            frozen = credentials.get_frozen_credentials()
-            request = AWSRequest(method="GET", url=base + quote(path, safe="/~"))
-            S3SigV4QueryAuth(frozen, "s3", region, expires=expires_s).add_auth(request)
-            return request.prepare().url
+            return signer.url(quote(path, safe="/~"), expires_s)
         except Exception as exc:  # a broken profile, expired and unrenewable credentials
             log.debug("no presigned URL for %s in %s: %s", key, self.url, exc)
             return None
 
-    def _signing(self, bucket: str) -> tuple[str, str, Any] | None:
-        """The URL a key of ``bucket`` is appended to, the region and the credentials;
-        None without credentials. Made once, by botocore's (blocking) client: signing
-        needs no connection, and s3fs's client is asynchronous, bound to its loop thread."""
+    def _signer(self, bucket: str) -> PresignedGetSigner | None:
+        """What signs GETs of ``bucket``'s keys; None without credentials. Made once,
+        from botocore's (blocking) client: signing needs no connection, and s3fs's
+        client is asynchronous, bound to its loop thread."""
         with self._create_lock:
             if bucket not in self._signers:
                 import botocore.session
@@ -788,13 +781,17 @@ class S3Store(Store):
                 if credentials is None:
                     self._signers[bucket] = None
                 else:
+                    # where the client sends a key of this bucket (its endpoint rules:
+                    # path or virtual-host style, the region's host), learnt from one URL
                     probe = "kvcdn-probe"
                     url = client.generate_presigned_url(
                         "get_object", Params={"Bucket": bucket, "Key": probe}
                     )
                     parts = urlsplit(url)
                     base = f"{parts.scheme}://{parts.netloc}{parts.path[: -len(probe)]}"
-                    self._signers[bucket] = (base, client.meta.region_name, credentials)
+                    self._signers[bucket] = PresignedGetSigner(
+                        base, client.meta.region_name, credentials
+                    )
             return self._signers[bucket]
 
 
