@@ -19,6 +19,14 @@ per connection). It takes a request for itself only when all of these hold:
   an immutable object cached and verified as its file is now, a reader the
   edge's access rules let through, an answer of 200, 206 or 304.
 
+A miss the edge would fill from its origins and send from the file it cached (an
+immutable content-addressed object, read plainly: :meth:`.server.Edge.miss`) is
+taken the same way: the connection's later requests wait while the fill runs,
+then the answer goes out as a hit's would, or (a fill that failed, a 412, a 416)
+as the same answer aiohttp gives. Bytes held in memory, because the disk filled
+while they came, go to aiohttp, which fetches them again (a full disk makes the
+edge leave its misses to aiohttp from then on).
+
 Anything else goes to aiohttp as it came, and a head that is not strictly
 well-formed, or announces a body, hands aiohttp the connection for good: the
 two parsers can never disagree about where one request ends and the next begins
@@ -40,9 +48,10 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from email.utils import formatdate
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -98,6 +107,33 @@ class Hit:
     fd: int
     fixed: bytes
 
+
+@dataclass
+class Refusal:
+    """An answer without an object (a fill that failed, a 412 or 416 after one), as
+    aiohttp renders ``web.Response(status=, headers=, text=)``: ``fixed`` is its head
+    up to ``Date``."""
+
+    status: int
+    fixed: bytes
+    body: bytes
+
+
+def refusal(status: int, text: str | None, headers: dict[str, str] | None = None, *,
+            method: str = "GET") -> Refusal:  # fmt: skip
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    body = b"" if text is None else text.encode()
+    if text is not None:
+        lines.append("Content-Type: text/plain; charset=utf-8")
+    if body or method != "HEAD":  # aiohttp gives a HEAD's empty answer no length
+        lines.append(f"Content-Length: {len(body)}")
+    return Refusal(status, ("\r\n".join(lines) + "\r\n").encode("latin-1"), body)
+
+
+#: What :meth:`.server.Edge.miss` gives for a miss it fills: the fill, which ends in
+#: a :class:`Hit` to send, a :class:`Refusal` to send, or None (aiohttp answers).
+Filling = Awaitable["Hit | Refusal | None"]
 
 #: Heads up to this long are parsed once while they are among the last
 #: :data:`PARSED_HEADS` seen (a client asks with the same few heads again and again):
@@ -173,7 +209,8 @@ def supported(server: web.Server) -> bool:
     return all(name in names for name in _INTERNALS) and isinstance(made_with, dict)
 
 
-def handler_factory(server: web.Server, hit: Callable[[Head], Hit | None]
+def handler_factory(server: web.Server, hit: Callable[[Head], Hit | None],
+                    miss: Callable[[Head], Filling | None] | None = None
                     ) -> Callable[[], RequestHandler]:  # fmt: skip
     """What makes each connection's protocol: a :class:`HitHandler` made as ``server``
     makes its own handlers, or (an aiohttp without the internals) ``server`` itself."""
@@ -183,20 +220,23 @@ def handler_factory(server: web.Server, hit: Callable[[Head], Hit | None]
         return server
     kwargs = server._kwargs  # what web.Server.__call__ passes its RequestHandler
     loop = asyncio.get_running_loop()
-    return lambda: HitHandler(server, hit=hit, loop=loop, **kwargs)
+    return lambda: HitHandler(server, hit=hit, miss=miss, loop=loop, **kwargs)
 
 
 class HitHandler(RequestHandler):
     """aiohttp's protocol for one connection, answering hits itself (see the module).
 
-    ``hit(head)`` is the edge's decision: a :class:`Hit` to send, or None for aiohttp."""
+    ``hit(head)`` is the edge's decision: a :class:`Hit` to send, or None; then
+    ``miss(head)``: a fill to wait for, or None for aiohttp."""
 
-    __slots__ = ("_hit", "_pending", "_aiohttps", "_sending")
+    __slots__ = ("_hit", "_miss", "_pending", "_aiohttps", "_sending")
 
     def __init__(self, manager: web.Server, *, hit: Callable[[Head], Hit | None],
+                 miss: Callable[[Head], Filling | None] | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
         super().__init__(manager, **kwargs)
         self._hit = hit
+        self._miss = miss
         self._pending = bytearray()  # received, not yet answered nor handed to aiohttp
         self._aiohttps = False  # the connection is aiohttp's for good
         self._sending = False  # a hit's body is being sent: later requests wait
@@ -237,11 +277,40 @@ class HitHandler(RequestHandler):
                 self._hand_over()
                 return
             del pending[: end + 4]
-            hit = self._hit(head) if self._idle() else None
-            if hit is None:
+            idle = self._idle()
+            hit = self._hit(head) if idle else None
+            if hit is not None:
+                self._send(head, hit)
+                continue
+            filling = self._miss(head) if idle and self._miss is not None else None
+            if filling is None:
                 super().data_received(raw)  # a whole bodyless head: aiohttp answers it
                 continue
-            self._send(head, hit)
+            # the requests after this one wait for its fill, as they wait for a body
+            self._sending = self._request_in_progress = True
+            task = asyncio.get_running_loop().create_task(self._filled(head, raw, filling))
+            task.add_done_callback(_seen)
+
+    async def _filled(self, head: Head, raw: bytes, filling: Filling) -> None:
+        """A miss's fill has ended: its answer is sent (or, None, aiohttp's), then the
+        requests that waited for it are answered."""
+        try:
+            answer = await filling
+        finally:
+            self._sending = self._request_in_progress = False
+            if self._handler_waiter is not None and not self._handler_waiter.done():
+                self._handler_waiter.set_result(None)  # a shutdown waited for this request
+        if isinstance(answer, Hit):
+            self._send(head, answer)
+        elif isinstance(answer, Refusal):
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                body = answer.body if head.method != "HEAD" else b""
+                transport.write(answer.fixed + _date_tail(head.close) + body)
+                self._sent(head)
+        else:
+            super().data_received(raw)  # aiohttp's, and what follows is queued behind it
+        self._answer_pending()
 
     def _hand_over(self) -> None:
         """The connection is aiohttp's from here on, what is pending first."""

@@ -34,7 +34,16 @@ from .admin import MAX_BODY, Admin
 from .auth import Access
 from .cache import DiskCache
 from .fill import MAX_STALE_S, POINTER_TTL_S, FetchError, Filler
-from .hits import SHORT_HEAD, Head, Hit, handler_factory, render_fixed
+from .hits import (
+    SHORT_HEAD,
+    Filling,
+    Head,
+    Hit,
+    Refusal,
+    handler_factory,
+    refusal,
+    render_fixed,
+)
 from .metrics import Metrics
 from .origin import Origin
 from .respond import Reply, answer, reply_for, s3_error
@@ -49,7 +58,7 @@ from .s3api import (
 from .s3auth import S3Keys
 from .shaping import LinkShaper
 from .shared import summed_counters, write_counters
-from .verify import cache_control, check_key
+from .verify import CONTENT_ADDRESSED, cache_control, check_key
 from .warm import JobBoard
 
 log = logging.getLogger(__name__)
@@ -197,12 +206,10 @@ class Edge:
         """A request the edge answers at once from a verified cached file (200, 206 or
         304: :mod:`.hits`), counted as :meth:`serve` counts it; None when
         :meth:`serve` must decide (a miss, a pointer, a refusal, an error status...)."""
-        if self.shaper is not None or not self.access.reads_plainly(head.header("Authorization")):
+        plain = self._plain_read(head)
+        if plain is None:
             return None
-        key = head.path[1:]
-        info = check_key(key)
-        if info is None:
-            return None
+        key, info = plain
         copy = self.fill.cached(key, info)
         if copy is None:
             return None
@@ -226,6 +233,48 @@ class Edge:
         if head.method != "HEAD" and reply.status != 304:
             self.metrics.bytes_served += reply.count
         return Hit(reply, copy.fd, fixed)
+
+    def _plain_read(self, head: Head) -> tuple[str, KeyInfo] | None:
+        """The key a request reads, when :meth:`serve` would read it unshaped and let
+        the reader through at once (no token, or the right one)."""
+        if self.shaper is not None or not self.access.reads_plainly(head.header("Authorization")):
+            return None
+        key = head.path[1:]
+        info = check_key(key)
+        return None if info is None else (key, info)
+
+    def miss(self, head: Head) -> Filling | None:
+        """For a request :meth:`hit` did not take: the fill of an immutable
+        content-addressed object (:mod:`.hits`), answered as :meth:`serve` answers it,
+        or None when :meth:`serve` must decide (another kind, a full disk...)."""
+        plain = self._plain_read(head)
+        if plain is None or plain[1].kind not in CONTENT_ADDRESSED or self.cache.read_only:
+            return None
+        held = self.cache.lookup(plain[0])
+        if held is not None and held.verified is not None:
+            return None  # cached and verified, yet no hit: a 412, a 416, a file that changed
+        return self._fill_miss(head, *plain)
+
+    async def _fill_miss(self, head: Head, key: str, info: KeyInfo) -> Hit | Refusal | None:
+        try:
+            found = await self.fill.object(key, info)
+        except FetchError as exc:  # answered as _respond answers it
+            self.metrics.count_response(exc.status)
+            return refusal(exc.status, f"{exc}\n", method=head.method)
+        try:
+            if found.file is None:  # held in memory (the disk filled meanwhile): aiohttp's
+                return None
+            control = cache_control(info, self.trust, self.fill.pointer_ttl_s)
+            reply = reply_for(head.header, key, found.etag, found.size, cache_control=control)
+            self.metrics.count_response(reply.status)
+            if reply.error is not None:  # as answer() renders them
+                text = "If-Match does not match\n" if reply.status == 412 else None
+                return refusal(reply.status, text, reply.headers, method=head.method)
+            if head.method != "HEAD" and reply.status != 304:
+                self.metrics.bytes_served += reply.count
+            return Hit(reply, os.dup(found.file.fileno()), render_fixed(reply))
+        finally:
+            found.release()
 
     async def _s3(self, request: web.Request, path: str) -> web.StreamResponse:
         bucket, _, s3_key = path.partition("/")
@@ -343,7 +392,8 @@ async def _serve(edge: Edge, host: str, port: int, idle_timeout_s: float, limit:
     loop = asyncio.get_running_loop()
     _on_stop_signals(loop, stop.set)
     try:
-        await _LimitedSite(runner, host, port, limit, reuse_port=reuse_port, hit=edge.hit).start()
+        await _LimitedSite(runner, host, port, limit, reuse_port=reuse_port, hit=edge.hit,
+                           miss=edge.miss).start()  # fmt: skip
         await stop.wait()
     finally:
         _signals_while_closing(loop)
@@ -411,23 +461,25 @@ def connection_limit() -> int:
 
 class _LimitedSite(web.TCPSite):
     """aiohttp's TCP site, each new connection beyond ``limit`` open ones answered
-    ``503`` and closed at once (nginx's ``worker_connections``); with ``hit``, each
-    connection's protocol answers hits itself (:mod:`.hits`)."""
+    ``503`` and closed at once (nginx's ``worker_connections``); with ``hit`` (and
+    ``miss``), each connection's protocol answers hits (and fills misses) itself
+    (:mod:`.hits`)."""
 
-    __slots__ = ("_limit", "_hit")
+    __slots__ = ("_limit", "_hit", "_miss")
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, limit: int, *,
-                 reuse_port: bool = False, hit: Callable[[Head], Hit | None] | None = None
-                 ) -> None:  # fmt: skip
+                 reuse_port: bool = False, hit: Callable[[Head], Hit | None] | None = None,
+                 miss: Callable[[Head], Filling | None] | None = None) -> None:  # fmt: skip
         super().__init__(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
         self._limit = limit
         self._hit = hit
+        self._miss = miss
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
         server = self._runner.server
         assert isinstance(server, web.Server)
-        handler = server if self._hit is None else handler_factory(server, self._hit)
+        handler = server if self._hit is None else handler_factory(server, self._hit, self._miss)
         limit = self._limit
         refusals = _RateLimited(BAD_REQUEST_LINES)
         loop = asyncio.get_running_loop()

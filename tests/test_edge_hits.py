@@ -3,7 +3,9 @@
 One real edge in this process serves its cache on two ports over real TCP: one
 with the hit path, one without it (aiohttp answers everything). Raw sockets send
 both the same bytes; their answers must be the same (but for ``Date``), and the
-hit path's own answers are counted, so each test knows which path answered.
+hit path's own answers (hits, and misses it filled) are counted, so each test
+knows which path answered. Misses are compared across two such edges, each with
+a cold cache.
 """
 
 from __future__ import annotations
@@ -35,19 +37,22 @@ class Served:
     hit_port: int  # the hit path first, aiohttp for the rest
     plain_port: int  # aiohttp alone
     answered: list[int]  # statuses the hit path answered itself
+    filled: list[int | None]  # misses it filled: the status it answered (None: aiohttp's)
 
 
 @contextlib.contextmanager
-def serving(folder, cache_dir, *, token: str | None = None, idle_s: float = 15.0
-            ) -> Iterator[Served]:  # fmt: skip
-    """An edge over the store folder ``folder`` on two ports, on a loop in a thread."""
+def serving(folder, cache_dir, *, token: str | None = None, idle_s: float = 15.0,
+            origin: str | None = None) -> Iterator[Served]:  # fmt: skip
+    """An edge over the store folder ``folder`` (or ``origin``) on two ports, on a loop
+    in a thread."""
     loop = asyncio.new_event_loop()
     ready, stop = threading.Event(), asyncio.Event()
     served: list[Served] = []
 
     async def main() -> None:
-        edge = Edge(DiskCache(cache_dir, 1 << 30), [open_origin(str(folder))], token)
+        edge = Edge(DiskCache(cache_dir, 1 << 30), [open_origin(origin or str(folder))], token)
         answered: list[int] = []
+        filled: list[int | None] = []
 
         def counted(head: hits.Head) -> hits.Hit | None:
             hit = edge.hit(head)
@@ -55,13 +60,28 @@ def serving(folder, cache_dir, *, token: str | None = None, idle_s: float = 15.0
                 answered.append(hit.reply.status)
             return hit
 
+        def counted_miss(head: hits.Head) -> hits.Filling | None:
+            filling = edge.miss(head)
+            if filling is None:
+                return None
+
+            async def fill() -> hits.Hit | hits.Refusal | None:
+                answer = await filling
+                filled.append(None if answer is None else
+                              answer.reply.status if isinstance(answer, hits.Hit)
+                              else answer.status)  # fmt: skip
+                return answer
+
+            return fill()
+
         runner = web.AppRunner(edge.app(), handle_signals=False, access_log=None,
                                keepalive_timeout=idle_s)  # fmt: skip
         await runner.setup()
         ports = free_port(), free_port()
-        await _LimitedSite(runner, "127.0.0.1", ports[0], 1000, hit=counted).start()
+        await _LimitedSite(runner, "127.0.0.1", ports[0], 1000, hit=counted,
+                           miss=counted_miss).start()  # fmt: skip
         await _LimitedSite(runner, "127.0.0.1", ports[1], 1000).start()
-        served.append(Served(edge, *ports, answered))
+        served.append(Served(edge, *ports, answered, filled))
         ready.set()
         await stop.wait()
         await runner.cleanup()
@@ -172,8 +192,9 @@ def test_hits_are_answered_as_aiohttp_answers_them(store, tmp_path):
     folder, objects = store
     (key, data), (other, _) = objects.items()
     with serving(folder, tmp_path / "cache") as s:
-        first = responses(exchange(s.hit_port, get(key)))  # a miss: aiohttp's
+        first = responses(exchange(s.hit_port, get(key)))  # a miss, filled by the hit path
         assert first[0][0] == 200 and first[0][2] == data and s.answered == []
+        assert s.filled == [200]
         tag = first[0][1]["ETag"]
         cases = {  # request headers: the status the hit path answers, or None: aiohttp's
             (): 200,
@@ -208,11 +229,11 @@ def test_hits_are_answered_as_aiohttp_answers_them(store, tmp_path):
         # answered for the hit path's port
         assert metrics.hits == len(s.answered) + 2 * len(cases) + 2 * 2
         assert metrics.misses == 1
-        # a key the edge has not cached is aiohttp's, and then the hit path's
+        # a key the edge has not cached is filled, and then a hit
         assert responses(exchange(s.hit_port, get(other)))[0][0] == 200
         before = len(s.answered)
         assert responses(exchange(s.hit_port, get(other)))[0][0] == 200
-        assert s.answered[before:] == [200]
+        assert s.answered[before:] == [200] and s.filled == [200, 200]
 
 
 def test_pipelined_split_and_closing_requests(store, tmp_path):
@@ -220,7 +241,7 @@ def test_pipelined_split_and_closing_requests(store, tmp_path):
     (key, data), (other, data2) = objects.items()
     with serving(folder, tmp_path / "cache") as s:
         exchange(s.hit_port, get(key))  # cached
-        # a hit, a miss (aiohttp's, it answers while the next head waits), a hit
+        # a hit, a miss (filled while the next head waits), a hit
         raw = exchange(s.hit_port, get(key) + get(other) + get(key), answers=3)
         assert [(st, body) for st, _, body in responses(raw)] == [(200, data), (200, data2),
                                                                   (200, data)]  # fmt: skip
@@ -321,7 +342,7 @@ def test_the_hit_path_keeps_the_edge_s_access_rules_and_checks(store, tmp_path):
         assert s.answered == []
         assert responses(exchange(s.hit_port, get(key, good)))[0][2] == data
         assert s.answered == [200]
-        # a cached file changed on disk is not sent as it is: aiohttp's path verifies it,
+        # a cached file changed on disk is not sent as it is: the fill verifies it,
         # drops it and fetches the object again
         path = next(p for p in (tmp_path / "cache" / "objects").glob("*/*")
                     if p.suffix != ".meta")  # fmt: skip
@@ -333,3 +354,107 @@ def test_the_hit_path_keeps_the_edge_s_access_rules_and_checks(store, tmp_path):
         assert s.edge.metrics.misses == 2  # damaged, so fetched again
         assert responses(exchange(s.hit_port, get(key, good)))[0][2] == data
         assert s.answered == [200, 200]
+
+
+def test_misses_are_filled_and_answered_as_aiohttp_answers_them(tmp_path):
+    """Each request for an uncached object, sent to two edges with cold caches (one
+    with the hit path, one without), gets the same answer, the same counts in
+    /metrics, and one origin read each."""
+    folder = tmp_path / "store"
+    seeds = iter(range(100, 200))
+    tag_of = {}
+
+    def new_object() -> str:
+        key, data = chunk_object(next(seeds), layers=1)
+        (folder / key).parent.mkdir(parents=True, exist_ok=True)
+        (folder / key).write_bytes(data)
+        tag_of[key] = '"' + hashlib.sha256(data).hexdigest()[:32] + '"'
+        return key
+
+    new_object()
+    cases = [  # request headers (the key's own ETag as {tag}): the status the fill answers
+        ((), 200),
+        (("Range: bytes=0-99",), 206),
+        (("If-None-Match: {tag}",), 304),
+        (('If-None-Match: "other"',), 200),
+        (('If-Match: "other"',), 412),
+        (("Range: bytes=999999999-",), 416),
+    ]
+    with serving(folder, tmp_path / "fast") as a, serving(folder, tmp_path / "plain") as b:
+        for extra, status in cases:
+            for method in ("GET", "HEAD"):
+                key = new_object()
+                fields = [e.format(tag=tag_of[key]) for e in extra]
+                request, bodies = get(key, *fields, method=method), method == "GET"
+                before = len(a.filled)
+                fast = exchange(a.hit_port, request, bodies=bodies)
+                plain = exchange(b.plain_port, request, bodies=bodies)
+                assert same_answer(fast, plain), (extra, method, fast[:300], plain[:300])
+                assert a.filled[before:] == [status], (extra, method)
+        # a key the origin does not have: the same 404, from the hit path
+        missing, _ = chunk_object(7, layers=1)  # never written to the store
+        for method in ("GET", "HEAD"):
+            request = get(missing, method=method)
+            fast = exchange(a.hit_port, request, bodies=method == "GET")
+            plain = exchange(b.plain_port, request, bodies=method == "GET")
+            assert responses(fast)[0][0] == 404 and same_answer(fast, plain), (fast, plain)
+        assert a.filled[-2:] == [404, 404]
+        assert a.answered == [] and b.answered == []
+        # the two edges counted alike
+        for name in ("requests", "hits", "misses", "bytes_served", "origin_fetches",
+                     "origin_errors", "verify_failures"):  # fmt: skip
+            assert getattr(a.edge.metrics, name) == getattr(b.edge.metrics, name), name
+        assert a.edge.metrics.origin_fetches == 2 * len(cases) + 2
+
+
+def test_a_fill_that_fails_is_answered_as_aiohttp_answers_it(tmp_path):
+    """An origin that cannot be reached: the hit path's 502 is aiohttp's, and the
+    connection serves its next request."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    key, _ = chunk_object(21, layers=1)
+    (tmp_path / "store").mkdir()
+    with serving(tmp_path / "store", tmp_path / "cache", origin=dead) as s:
+        fast = exchange(s.hit_port, get(key) + get(key), answers=2)
+        plain = exchange(s.plain_port, get(key) + get(key), answers=2)
+        assert same_answer(fast, plain), (fast, plain)
+        assert [st for st, _, _ in responses(fast)] == [502, 502]
+        assert s.filled == [502, 502]
+
+
+def test_misses_pipelined_and_at_once(tmp_path):
+    """On one connection, misses and hits are answered in order, each fill holding the
+    requests behind it; on many connections at once, one key is read from the origin
+    once; a client that goes away while its miss is filled leaves the edge serving."""
+    folder = tmp_path / "store"
+    objects = dict(chunk_object(seed, layers=2) for seed in (31, 32, 33))
+    for key, data in objects.items():
+        (folder / key).parent.mkdir(parents=True, exist_ok=True)
+        (folder / key).write_bytes(data)
+    (k1, d1), (k2, d2), (k3, d3) = objects.items()
+    with serving(folder, tmp_path / "cache") as s:
+        raw = exchange(s.hit_port, get(k1) + get(k1, "Range: bytes=3-7") + get(k2)
+                       + get(k1, "Connection: close"), answers=None)  # fmt: skip
+        got = [(st, body) for st, _, body in responses(raw)]
+        assert got == [(200, d1), (206, d1[3:8]), (200, d2), (200, d1)]
+        assert s.filled == [200, 200] and s.answered == [206, 200]
+        # a client gone before its fill ends: the fill still caches the object
+        with socket.create_connection(("127.0.0.1", s.hit_port), timeout=5) as c:
+            c.sendall(get(k3))
+        deadline = time.monotonic() + 10
+        while s.edge.cache.lookup(k3) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert responses(exchange(s.hit_port, get(k3)))[0][2] == d3
+        # eight connections at once, one new key: one origin read
+        key, data = chunk_object(34, layers=4)
+        (folder / key).parent.mkdir(parents=True, exist_ok=True)
+        (folder / key).write_bytes(data)
+        before = s.edge.metrics.origin_fetches
+        results: list[bytes] = []
+        threads = [threading.Thread(target=lambda: results.append(exchange(s.hit_port, get(key))))
+                   for _ in range(8)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert [responses(r)[0][2] == data for r in results] == [True] * 8
+        assert s.edge.metrics.origin_fetches - before == 1
