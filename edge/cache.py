@@ -40,6 +40,8 @@ from itertools import count
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from .shared import LedgerBusy
+
 if TYPE_CHECKING:
     from .shared import Shared
 
@@ -425,14 +427,16 @@ class DiskCache:
         """A new spool for a miss of ``key`` of at most ``limit`` bytes."""
         return Spool(self, key, limit)
 
-    def adopt(self, spool: Spool, etag: str) -> bool:
+    def adopt(self, spool: Spool, etag: str, *, wait: bool = True) -> bool:
         """Make ``spool``'s verified bytes the cached copy of its key, by a rename; False
-        when they are not cached (too big, disk full) and stay the spool's."""
+        when they are not cached (too big, disk full) and stay the spool's. With
+        siblings and ``wait=False``, :class:`~.shared.LedgerBusy` (nothing changed)
+        rather than wait for the shared ledger or scan the folder."""
         key, size = spool.key, spool.size
         if size > self.max_bytes or self.read_only or not spool.on_disk:
             self.skips += 1
             return False
-        self.drop(key)
+        self.drop(key, wait=wait)
         digest = _digest(key)
         data_path = spool.path.with_name(digest)
         meta_path = spool.path.with_name(f"{digest}.meta")
@@ -443,7 +447,7 @@ class DiskCache:
             spool._placed = True
 
         try:
-            if not self._make_room(size, place):
+            if not self._make_room(size, place, wait=wait):
                 self.skips += 1
                 return False
             written = stamp_of(data_path.stat())
@@ -510,34 +514,35 @@ class DiskCache:
         """Bytes of misses being fetched, on disk and in memory."""
         return self._spooled + self._spooled_memory
 
-    def drop(self, key: str) -> None:
-        with self._lock:
-            entry = self._index.pop(key, None)
-            if entry is not None:
-                self._bytes -= entry.size
+    def drop(self, key: str, *, wait: bool = True) -> None:
+        """Remove ``key``'s cached copy (``wait``: see :meth:`adopt`)."""
         if self.shared is not None:  # what the folder holds, whoever indexed it
             digest = _digest(key)
             path = self.root / "objects" / digest[:2] / digest
             try:
                 size = path.stat().st_size
             except OSError:
-                return
-            _unlink(path.with_suffix(".meta"))
-            _unlink(path)
-            with self.shared.ledger() as totals:
-                totals[0] -= size
-                totals[1] -= 1
-            return
-        if entry is None:
+                size = None
+            if size is not None:
+                with self.shared.ledger(wait=wait) as totals:  # before anything changes
+                    _unlink(path.with_suffix(".meta"))
+                    _unlink(path)
+                    totals[0] -= size
+                    totals[1] -= 1
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._bytes -= entry.size
+        if self.shared is not None or entry is None:
             return
         _unlink(entry.path.with_suffix(".meta"))
         _unlink(entry.path)
 
-    def _make_room(self, size: int, place: Callable[[], None]) -> bool:
+    def _make_room(self, size: int, place: Callable[[], None], *, wait: bool = True) -> bool:
         """Room for one more object of ``size`` bytes, and its file put into the folder by
         ``place`` (OSError when it cannot be): evicted for locally, or reserved in the
         shared ledger, evicting across the folder when it is full; False when there is
-        no room (nothing placed).
+        no room (nothing placed). ``wait=False``: see :meth:`adopt`.
 
         With siblings the file is placed while the ledger is held: a sibling's scan
         (which rewrites the ledger from what the folder holds) then never finds a
@@ -548,8 +553,10 @@ class DiskCache:
             place()
             return True
         failed: OSError | None = None
-        with self.shared.ledger() as totals:
+        with self.shared.ledger(wait=wait) as totals:
             if totals[0] + size > self.max_bytes or totals[1] + 1 > MAX_ENTRIES:
+                if not wait:  # a scan reads the whole folder: not on an event loop
+                    raise LedgerBusy("the folder is full: a scan is needed")
                 totals[:] = self._scan_evict(size)
             if totals[0] + size > self.max_bytes:
                 return False  # what is left is being written by siblings right now

@@ -34,6 +34,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -52,6 +53,11 @@ _KEY_BASE = 1 << 20
 #: Evicting stops at this share of the bound, so that scans are rare.
 LOW_WATER = 0.9
 _USAGE = struct.Struct("<qq")  # bytes, objects
+
+
+class LedgerBusy(Exception):
+    """The ledger is held (a sibling's eviction scan, say) by a caller that would not
+    wait for it, or the change would need a scan of the folder: nothing was changed."""
 
 
 class Shared:
@@ -97,10 +103,19 @@ class Shared:
 
     # ---- the ledger ----------------------------------------------------------------------
     @contextmanager
-    def ledger(self) -> Iterator[list[int]]:
-        """``[bytes, objects]`` of the folder, held locked; written back on exit."""
-        with self._thread_lock:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, 0)
+    def ledger(self, *, wait: bool = True) -> Iterator[list[int]]:
+        """``[bytes, objects]`` of the folder, held locked; written back on exit (not
+        when the block raises). ``wait=False``: :class:`LedgerBusy` at once if another
+        process or thread holds it (an event loop must not wait for a sibling's scan)."""
+        if not self._thread_lock.acquire(blocking=wait):
+            raise LedgerBusy("the ledger is held by another thread")
+        try:
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB), 1, 0)
+            except OSError as exc:
+                if wait or exc.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                raise LedgerBusy("the ledger is held by a sibling") from None
             try:
                 raw = os.pread(self._usage, _USAGE.size, 0)
                 totals = list(_USAGE.unpack(raw)) if len(raw) == _USAGE.size else [0, 0]
@@ -110,6 +125,8 @@ class Shared:
                     os.pwrite(self._usage, _USAGE.pack(max(0, totals[0]), max(0, totals[1])), 0)
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
+        finally:
+            self._thread_lock.release()
 
     def totals(self) -> tuple[int, int]:
         """The ledger's bytes and objects, unlocked (for gauges)."""

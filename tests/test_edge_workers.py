@@ -383,3 +383,59 @@ def test_workers_stop_quietly_however_often_they_are_told_to(origin, tmp_path):
         node.log.seek(0)
         log = node.log.read().decode()
         assert "Traceback" not in log and "Exception ignored" not in log, log[-3000:]
+
+
+def test_an_event_loop_never_waits_for_the_shared_ledger(tmp_path):
+    """A worker adopts a miss on its event loop only when the shared ledger is free at
+    once and needs no scan of the folder; otherwise LedgerBusy, with nothing changed,
+    and the adopt is done again where waiting is harmless (a thread)."""
+    from kvcdn.edge.cache import DiskCache
+    from kvcdn.edge.shared import LedgerBusy, Shared
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    objects = [chunk_object(seed) for seed in (41, 42, 43)]
+    size = len(objects[0][1])
+    shared = Shared(root)
+    cache = DiskCache(root, int(2.5 * size), shared=shared)
+
+    def spooled(key: str, data: bytes):  # type: ignore[no-untyped-def]
+        spool = cache.spool(key, len(data))
+        spool.write(data)
+        return spool
+
+    # a sibling (another process) holds the ledger
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+         "fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0); print('held', flush=True); sys.stdin.read()",
+         str(root / "locks")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        (key, data), *rest = objects
+        spool = spooled(key, data)
+        with pytest.raises(LedgerBusy):
+            cache.adopt(spool, '"a"', wait=False)
+        assert spool.path.exists() and cache.lookup(key) is None and shared.totals() == (0, 0)
+        with ThreadPoolExecutor(1) as pool:  # adopt() waits for the sibling, in a thread
+            waiting = pool.submit(cache.adopt, spool, '"a"')
+            time.sleep(0.3)
+            assert not waiting.done()
+            assert holder.stdin is not None
+            holder.stdin.close()
+            assert waiting.result(10) is True
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert cache.lookup(key) is not None and shared.totals() == (size, 1)
+    # free at once: adopted on the spot; a folder that would pass its bound needs a scan,
+    # which is not done without waiting either
+    (key2, data2), (key3, data3) = rest
+    assert cache.adopt(spooled(key2, data2), '"b"', wait=False) is True
+    third = spooled(key3, data3)
+    with pytest.raises(LedgerBusy, match="scan"):
+        cache.adopt(third, '"c"', wait=False)
+    assert third.path.exists() and shared.totals() == (2 * size, 2)
+    assert cache.adopt(third, '"c"') is True  # scanned, the least recently used evicted
+    assert _on_disk(root) <= int(2.5 * size) and cache.lookup(key3) is not None
