@@ -436,9 +436,13 @@ class DiskCache:
         if size > self.max_bytes or self.read_only or not spool.on_disk:
             self.skips += 1
             return False
-        self.drop(key, wait=wait)
         digest = _digest(key)
         data_path = spool.path.with_name(digest)
+        if not wait and self.shared is not None and data_path.exists():
+            # a copy to replace: its drop and this adopt are one change (the key's lock,
+            # held by this fill, keeps siblings from making a copy meanwhile)
+            raise LedgerBusy("a cached copy is to be replaced")
+        self.drop(key)
         meta_path = spool.path.with_name(f"{digest}.meta")
         tmp = spool.path.with_name(f".{digest}.meta.{os.getpid()}.{threading.get_ident()}")
 
@@ -456,6 +460,8 @@ class DiskCache:
             _unlink(tmp)
             if spool._placed:
                 _unlink(data_path)
+                # (waits for the ledger even with wait=False: the reservation is made,
+                # and must not outlive its file; a failed write, rare)
                 self._unreserve(size)
             self._write_failed(key, exc)
             self.skips += 1
@@ -514,21 +520,27 @@ class DiskCache:
         """Bytes of misses being fetched, on disk and in memory."""
         return self._spooled + self._spooled_memory
 
-    def drop(self, key: str, *, wait: bool = True) -> None:
-        """Remove ``key``'s cached copy (``wait``: see :meth:`adopt`)."""
+    def drop(self, key: str) -> None:
+        """Remove ``key``'s cached copy."""
         if self.shared is not None:  # what the folder holds, whoever indexed it
             digest = _digest(key)
             path = self.root / "objects" / digest[:2] / digest
-            try:
-                size = path.stat().st_size
-            except OSError:
-                size = None
-            if size is not None:
-                with self.shared.ledger(wait=wait) as totals:  # before anything changes
+            if path.exists():
+                # found and removed under the ledger, and counted only if this removed
+                # it: a sibling's drop or scan may remove it first
+                with self.shared.ledger() as totals:
                     _unlink(path.with_suffix(".meta"))
-                    _unlink(path)
-                    totals[0] -= size
-                    totals[1] -= 1
+                    try:
+                        size = path.stat().st_size
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        size = None
+                    except OSError as exc:
+                        log.warning("cannot remove %s: %s", path, exc)
+                        size = None
+                    if size is not None:
+                        totals[0] -= size
+                        totals[1] -= 1
         with self._lock:
             entry = self._index.pop(key, None)
             if entry is not None:

@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 
 #: A head longer than this without its end is aiohttp's (which has its own limits).
 MAX_HEAD = 16 << 10
+#: Bytes a client may send ahead while its connection waits (a fill, a body the socket
+#: has not taken): past them the connection is not read until the wait ends.
+MAX_PENDING = 4 * MAX_HEAD
 #: A whole head the hit path may take: the method, a path of key characters, HTTP/1.1,
 #: then fields of a token name and a value without control bytes, each ended by CRLF.
 _HEAD = re.compile(
@@ -229,7 +232,7 @@ class HitHandler(RequestHandler):
     ``hit(head)`` is the edge's decision: a :class:`Hit` to send, or None; then
     ``miss(head)``: a fill to wait for, or None for aiohttp."""
 
-    __slots__ = ("_hit", "_miss", "_pending", "_aiohttps", "_sending")
+    __slots__ = ("_hit", "_miss", "_pending", "_aiohttps", "_sending", "_held")
 
     def __init__(self, manager: web.Server, *, hit: Callable[[Head], Hit | None],
                  miss: Callable[[Head], Filling | None] | None = None,
@@ -240,6 +243,7 @@ class HitHandler(RequestHandler):
         self._pending = bytearray()  # received, not yet answered nor handed to aiohttp
         self._aiohttps = False  # the connection is aiohttp's for good
         self._sending = False  # a hit's body is being sent: later requests wait
+        self._held = False  # reading paused: MAX_PENDING bytes wait
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -251,7 +255,19 @@ class HitHandler(RequestHandler):
             super().data_received(data)
             return
         self._pending += data
+        if self._sending and len(self._pending) > MAX_PENDING:
+            self._hold(True)
         self._answer_pending()
+
+    def _hold(self, held: bool) -> None:
+        """Stop reading the connection (or start again), for the hit path's own buffer:
+        never while aiohttp holds the connection, whose flow control is its own."""
+        if held != self._held and self.transport is not None:
+            self._held = held
+            if held:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def _idle(self) -> bool:
         """Whether aiohttp holds nothing of this connection: waiting for a request."""
@@ -269,7 +285,8 @@ class HitHandler(RequestHandler):
                 # long, or with a line end that is not CRLF (aiohttp takes bare LFs)
                 if len(pending) > MAX_HEAD or pending.replace(b"\r\n", b"").find(b"\n") >= 0:
                     self._hand_over()
-                return
+                    return
+                break
             raw = bytes(pending[: end + 4])
             head = parse_head(raw, max_line=min(self.max_line_size, self.max_field_size),
                               max_headers=self.max_headers)  # fmt: skip
@@ -290,16 +307,24 @@ class HitHandler(RequestHandler):
             self._sending = self._request_in_progress = True
             task = asyncio.get_running_loop().create_task(self._filled(head, raw, filling))
             task.add_done_callback(_seen)
+        if self._held and not self._sending and not self._aiohttps:
+            self._hold(False)  # what waited is answered or handed on: at most a partial head
 
     async def _filled(self, head: Head, raw: bytes, filling: Filling) -> None:
         """A miss's fill has ended: its answer is sent (or, None, aiohttp's), then the
-        requests that waited for it are answered."""
+        requests that waited for it are answered. A fill that failed unexpectedly (a
+        bug, no descriptor left) is aiohttp's too, which answers it as its own
+        handlers' failures (500, the connection closed) unless it succeeds then."""
         try:
             answer = await filling
-        finally:
+        except asyncio.CancelledError:
             self._sending = self._request_in_progress = False
-            if self._handler_waiter is not None and not self._handler_waiter.done():
-                self._handler_waiter.set_result(None)  # a shutdown waited for this request
+            self._request_done()
+            raise
+        except Exception:
+            log.exception("filling a miss failed; aiohttp answers it")
+            answer = None
+        self._sending = self._request_in_progress = False
         if isinstance(answer, Hit):
             self._send(head, answer)
         elif isinstance(answer, Refusal):
@@ -310,12 +335,20 @@ class HitHandler(RequestHandler):
                 self._sent(head)
         else:
             super().data_received(raw)  # aiohttp's, and what follows is queued behind it
+        if not self._sending:  # else _send_rest tells a shutdown, once the body is out
+            self._request_done()
         self._answer_pending()
+
+    def _request_done(self) -> None:
+        """A shutdown waiting for this connection's request (aiohttp's) may go on."""
+        if self._handler_waiter is not None and not self._handler_waiter.done():
+            self._handler_waiter.set_result(None)
 
     def _hand_over(self) -> None:
         """The connection is aiohttp's from here on, what is pending first."""
         data, self._pending = bytes(self._pending), bytearray()
         self._aiohttps = True
+        self._hold(False)
         super().data_received(data)
 
     def _send(self, head: Head, hit: Hit) -> None:
@@ -359,8 +392,7 @@ class HitHandler(RequestHandler):
         finally:
             os.close(hit.fd)
             self._sending = self._request_in_progress = False
-            if self._handler_waiter is not None and not self._handler_waiter.done():
-                self._handler_waiter.set_result(None)
+            self._request_done()
         self._sent(head)
         self._answer_pending()
 

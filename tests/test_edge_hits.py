@@ -458,3 +458,96 @@ def test_misses_pipelined_and_at_once(tmp_path):
             t.join(30)
         assert [responses(r)[0][2] == data for r in results] == [True] * 8
         assert s.edge.metrics.origin_fetches - before == 1
+
+
+def _slow_fills(edge: Edge, delay_s: float) -> None:
+    """Every fill of ``edge`` waits ``delay_s`` first (a slow origin)."""
+    real = edge.fill.object
+
+    async def slow(key, info):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(delay_s)
+        return await real(key, info)
+
+    edge.fill.object = slow  # type: ignore[method-assign]
+
+
+def test_a_fill_that_fails_unexpectedly_is_aiohttp_s_to_answer(store, tmp_path):
+    """A fill that raises (a bug, no descriptor left) leaves the request to aiohttp, which
+    answers it as it answers its own handlers' failures; nothing answers out of turn."""
+    folder, objects = store
+    (key, _), (other, _) = objects.items()
+    with serving(folder, tmp_path / "cache") as s:
+        real = s.edge.fill.object
+
+        async def failing(k, info):  # type: ignore[no-untyped-def]
+            if k == key:
+                raise RuntimeError("no descriptor left")
+            return await real(k, info)
+
+        s.edge.fill.object = failing  # type: ignore[method-assign]
+        fast = exchange(s.hit_port, get(key) + get(other), answers=None)
+        plain = exchange(s.plain_port, get(key) + get(other), answers=None)
+        assert same_answer(fast, plain), (fast[:300], plain[:300])
+        assert [st for st, _, _ in responses(fast)] == [500]  # and the connection closed
+        assert s.filled == []
+
+
+def test_a_client_sending_ahead_of_a_fill_is_not_read_past_a_bound(store, tmp_path):
+    """While a miss is filled, what the client sends beyond MAX_PENDING bytes is left in
+    the socket (TCP holds the client back), not held in the edge's memory."""
+    import gc
+
+    folder, objects = store
+    key, data = next(iter(objects.items()))
+    with serving(folder, tmp_path / "cache") as s:
+        _slow_fills(s.edge, 2.0)
+        with socket.create_connection(("127.0.0.1", s.hit_port), timeout=10) as c:
+            c.sendall(get(key))
+            def send_ahead() -> None:
+                with contextlib.suppress(OSError):
+                    c.sendall(b"A" * (64 << 20))
+
+            flood = threading.Thread(target=send_ahead, daemon=True)
+            flood.start()
+            time.sleep(1.0)  # the fill still runs; the client is blocked in sendall
+            held = [len(h._pending) for h in gc.get_objects() if isinstance(h, hits.HitHandler)]
+            assert held and max(held) <= hits.MAX_PENDING + (256 << 10), held
+            assert flood.is_alive()
+            c.settimeout(10)
+            got = bytearray()
+            with contextlib.suppress(OSError):
+                while _whole(bytes(got), True) < 1 and (chunk := c.recv(1 << 20)):
+                    got += chunk
+            assert responses(bytes(got))[0][2] == data  # then aiohttp has the junk
+
+
+def test_a_shutdown_during_a_fill_sends_the_whole_body(tmp_path):
+    """The edge stops while a miss is filled for a slow reader: the answer that goes out
+    once the fill ends is whole, as aiohttp's is."""
+    key, data = large_chunk_object(16 << 20)
+    (tmp_path / "store" / key).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "store" / key).write_bytes(data)
+    got: list[bytes] = []
+
+    def slow_reader(port: int) -> None:
+        with socket.socket() as c:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.connect(("127.0.0.1", port))
+            c.sendall(get(key))
+            time.sleep(2.0)  # the fill is done and the shutdown under way
+            c.settimeout(20)
+            raw = bytearray()
+            with contextlib.suppress(OSError):
+                while chunk := c.recv(1 << 16):
+                    raw += chunk
+            got.append(bytes(raw))
+
+    with serving(tmp_path / "store", tmp_path / "cache") as s:
+        _slow_fills(s.edge, 1.0)
+        reader = threading.Thread(target=slow_reader, args=(s.hit_port,))
+        reader.start()
+        time.sleep(0.4)  # the fill runs: the edge is told to stop now
+    reader.join(60)
+    (status, _, body), = responses(got[0])
+    assert status == 200 and len(body) == len(data) and body == data
+    assert s.filled == [200]

@@ -439,3 +439,46 @@ def test_an_event_loop_never_waits_for_the_shared_ledger(tmp_path):
     assert third.path.exists() and shared.totals() == (2 * size, 2)
     assert cache.adopt(third, '"c"') is True  # scanned, the least recently used evicted
     assert _on_disk(root) <= int(2.5 * size) and cache.lookup(key3) is not None
+
+
+def test_a_copy_is_counted_out_of_the_ledger_once(tmp_path):
+    """Two workers drop one key at once (one of them between the other's look at the
+    file and its hold on the ledger): the ledger loses the copy once; and a replacement
+    is not begun by a worker that would not wait."""
+    import contextlib
+
+    from kvcdn.edge.cache import DiskCache
+    from kvcdn.edge.shared import LedgerBusy, Shared
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    (key, data), (other, data2) = chunk_object(51), chunk_object(52)
+    a = DiskCache(root, 1 << 30, shared=Shared(root))
+    b_shared = Shared(root)
+    b = DiskCache(root, 1 << 30, shared=b_shared)
+    for k, d in ((key, data), (other, data2)):
+        spool = a.spool(k, len(d))
+        spool.write(d)
+        assert a.adopt(spool, '"x"') is True
+    assert b_shared.totals() == (len(data) + len(data2), 2)
+    # a replacement is one change: not started without waiting
+    again = a.spool(key, len(data))
+    again.write(data)
+    with pytest.raises(LedgerBusy, match="replaced"):
+        a.adopt(again, '"x"', wait=False)
+    assert b_shared.totals() == (len(data) + len(data2), 2) and a.lookup(key) is not None
+    again.discard()
+    # worker b has seen the file; worker a removes it before b holds the ledger
+    held = b_shared.ledger
+
+    @contextlib.contextmanager
+    def late(*args, **kwargs):  # type: ignore[no-untyped-def]
+        a.drop(key)
+        with held(*args, **kwargs) as totals:
+            yield totals
+
+    b_shared.ledger = late  # type: ignore[method-assign]
+    b.drop(key)
+    b_shared.ledger = held  # type: ignore[method-assign]
+    assert b_shared.totals() == (len(data2), 1)
+    assert _on_disk(root) == len(data2)
