@@ -266,13 +266,15 @@ class Edge:
                 return None
             control = cache_control(info, self.trust, self.fill.pointer_ttl_s)
             reply = reply_for(head.header, key, found.etag, found.size, cache_control=control)
-            self.metrics.count_response(reply.status)
             if reply.error is not None:  # as answer() renders them
+                self.metrics.count_response(reply.status)
                 text = "If-Match does not match\n" if reply.status == 412 else None
                 return refusal(reply.status, text, reply.headers, method=head.method)
+            hit = Hit(reply, os.dup(found.file.fileno()), render_fixed(reply))
+            self.metrics.count_response(reply.status)  # (once nothing more can fail)
             if head.method != "HEAD" and reply.status != 304:
                 self.metrics.bytes_served += reply.count
-            return Hit(reply, os.dup(found.file.fileno()), render_fixed(reply))
+            return hit
         finally:
             found.release()
 
