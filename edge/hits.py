@@ -255,9 +255,9 @@ class HitHandler(RequestHandler):
             super().data_received(data)
             return
         self._pending += data
-        if self._sending and len(self._pending) > MAX_PENDING:
-            self._hold(True)
         self._answer_pending()
+        if self._sending and len(self._pending) > MAX_PENDING:  # (a wait this read began too)
+            self._hold(True)
 
     def _hold(self, held: bool) -> None:
         """Stop reading the connection (or start again), for the hit path's own buffer:
