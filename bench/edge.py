@@ -1,13 +1,16 @@
 """Edge cache benchmark: kvcdn's edge node against nginx proxy_cache, same origin, same load.
 
     python bench/edge.py [--objects 256] [--clients 32] [--duration 10] [--client-procs 2]
-                         [--workers 1,2] [--rounds 3] [--json OUT.json] [--no-nginx]
+                         [--workers 1,2] [--rounds 3] [--cpu-affinity auto|off]
+                         [--json OUT.json] [--no-nginx]
 
 Starts moto's S3 server (a subprocess on 127.0.0.1) as the origin with
 ``--objects`` valid 1 MiB chunk containers, then, one at a time and each with a
 fresh cache in front of it, for each N of ``--workers``: ``kvcdn edge serve
 --workers N`` and nginx ``proxy_cache`` with ``worker_processes N`` (the same
-CPU budget: the comparison). For each, a
+CPU budget: the comparison), each worker on a core of its own (the edge's
+``--cpu-affinity auto``, nginx's ``worker_cpu_affinity auto``; ``--cpu-affinity
+off``: both placed by the kernel). For each, a
 miss phase (``--clients`` concurrent clients GET every object once, all cold)
 and a hit phase (an untimed pass over all objects, then the clients GET random
 objects for ``--duration`` seconds). ``--rounds R`` runs that sequence R times
@@ -68,7 +71,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BUCKET = "kvcdn-bench"
 NGINX_CONF = """{user}worker_processes {workers};
-pid {d}/nginx.pid;
+{affinity}pid {d}/nginx.pid;
 error_log {d}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
@@ -339,13 +342,15 @@ def _phase(
 # ---- the servers ------------------------------------------------------------------------
 
 
-def _nginx_conf(d: Path, nginx: str, workers: str, port: int, origin: int) -> str:
+def _nginx_conf(d: Path, nginx: str, workers: str, port: int, origin: int, pinned: bool) -> str:
     built = subprocess.run([nginx, "-V"], capture_output=True, text=True).stderr
     modules = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
     paths = [f"  {m}_temp_path {d}/tmp/{m};\n" for m in modules if f"-http_{m}_module" not in built]
     user = "user root root;\n" if os.geteuid() == 0 else ""  # else root's workers run as nobody
     conf = {"d": d, "workers": workers, "port": port, "origin": origin, "bucket": BUCKET}
-    return NGINX_CONF.format(user=user, temp_paths="".join(paths), **conf)
+    # each server's workers placed the same way: the edge's --cpu-affinity auto is nginx's
+    affinity = "worker_cpu_affinity auto;\n" if pinned else ""
+    return NGINX_CONF.format(user=user, affinity=affinity, temp_paths="".join(paths), **conf)
 
 
 def _bench_server(
@@ -359,9 +364,10 @@ def _bench_server(
         cmd = [sys.executable, "-m", "kvcdn.cli.main", "edge", "serve", "--origin"]
         cmd += f"s3://{BUCKET} --endpoint-url http://127.0.0.1:{origin} --max-bytes 64G".split()
         cmd += ["--cache-dir", str(d / "cache"), "--listen", f"127.0.0.1:{port}"]
-        cmd += ["--workers", workers]
+        cmd += ["--workers", workers, "--cpu-affinity", args.cpu_affinity]
     else:
-        (d / "nginx.conf").write_text(_nginx_conf(d, args.nginx, workers, port, origin))
+        (d / "nginx.conf").write_text(_nginx_conf(d, args.nginx, workers, port, origin,
+                                                  args.cpu_affinity == "auto"))  # fmt: skip
         cmd = [args.nginx, "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")]
         cmd += ["-g", "daemon off;"]
     # The last server's cache files go to the disk now, not during this one's phases:
@@ -405,6 +411,16 @@ def _bench_server(
         print(f"WARNING: {name} did not serve all misses, then all hits: {check}", file=sys.stderr)
     return {"miss": miss, "hit": hit, "sync_s_before": synced,
             "check": {**check, "all_misses_then_all_hits": ok}}
+
+
+def _returns_free_memory() -> bool:
+    """Whether a virtio balloon on this VM reports free pages to its host
+    (VIRTIO_BALLOON_F_REPORTING, feature bit 5), which then takes them back."""
+    for features in Path("/sys/bus/virtio/drivers/virtio_balloon").glob("virtio*/features"):
+        bits = features.read_text().strip()
+        if len(bits) > 5 and bits[5] == "1":
+            return True
+    return False
 
 
 def _make_objects(n: int, size: int) -> dict[str, bytes]:
@@ -531,6 +547,10 @@ def main() -> int:
     parser.add_argument("--no-nginx", "--skip-nginx", action="store_true", help="kvcdn only")
     parser.add_argument("--workers", default="1,2",
                         help="worker processes of each server, comma-separated (1,2)")
+    parser.add_argument("--cpu-affinity", choices=("auto", "off"), default="auto",
+                        help="each server's workers on cores of their own (the edge's "
+                        "--cpu-affinity auto, nginx's worker_cpu_affinity auto), or off: "
+                        "placed by the kernel")  # fmt: skip
     parser.add_argument("--no-nginx-auto", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
@@ -560,6 +580,13 @@ def main() -> int:
         f"client: {args.client_procs} processes, {args.clients} keep-alive connections in all, "
         "on the same CPUs as the server and the origin (moto).",
     ]
+    if _returns_free_memory():
+        notes.append(
+            "this VM returns freed memory to its host (virtio-balloon free page reporting): "
+            "a page-cache page a miss writes costs a host fault on its first write, and "
+            "miss rates move by half between rounds with how much memory the host has "
+            "taken back (docs/edge.md)."
+        )
     before, _, after = _cpu(), time.sleep(1.0), _cpu()
     idle_busy = 100 * (after[2] - before[2]) / (after[3] - before[3]) if before and after else None
     if idle_busy and idle_busy > 15:
@@ -594,7 +621,8 @@ def main() -> int:
     report = _report(results, args, notes)
     nginx = None if args.no_nginx else subprocess.run([args.nginx, "-v"], capture_output=True)
     setup = {k: getattr(args, k) for k in ("objects", "size", "clients", "client_procs", "workers",
-                                           "rounds")}  # fmt: skip
+                                           "rounds", "cpu_affinity")}  # fmt: skip
+    setup |= {"free_page_reporting": _returns_free_memory()}
     setup |= {"hit_seconds": args.duration, "sha256_check_every": args.check_every}
     setup |= {"client": "asyncio HTTP/1.1, keep-alive, reads into a preallocated buffer"}
     setup |= {"origin": "moto S3 server, a subprocess on 127.0.0.1", "cpus": os.cpu_count()}

@@ -144,6 +144,16 @@ def _parse_size(value: str, option: str) -> int:
     "dies is started again. 1: a single process, no supervisor. [default: the cores this "
     "process may use; 1 with --rate-limit or --throttle-trace]",
 )
+@click.option(
+    "--cpu-affinity",
+    type=click.Choice(["auto", "off"]),
+    default="auto",
+    show_default=True,
+    help="With --workers above 1: auto runs worker i on the i-th core this process may "
+    "use (nginx's worker_cpu_affinity auto), so the scheduler never moves a worker "
+    "away from its caches (on 2 cores, about 10% more hits at 2 workers, docs/edge.md); "
+    "off lets the kernel place them, for a host whose cores other pinned programs share.",
+)
 @click.option("--worker-name", hidden=True, help="(Internal: set by the supervisor.)")
 @trust_option
 @click.option(
@@ -190,6 +200,7 @@ def edge_serve(
     idle_timeout: float,
     max_connections: int | None,
     workers: int | None,
+    cpu_affinity: str,
     worker_name: str | None,
     trust_file: Path | None,
     s3_keys_file: Path | None,
@@ -215,7 +226,8 @@ def edge_serve(
 
     --workers N (default: one per core) runs N processes behind one port,
     sharing the cache folder: use it to serve more than one core can (tens of
-    Gbit/s); --workers 1 is one process.
+    Gbit/s); --workers 1 is one process. Each worker keeps a core of its own
+    (--cpu-affinity off lets the kernel move them).
 
     \b
       kvcdn edge serve --origin s3://kv/prod --cache-dir /var/cache/kvcdn --max-bytes 200G
@@ -235,6 +247,7 @@ def edge_serve(
         remove_leftovers,
         supervise,
         worker_command,
+        worker_cores,
     )
     from kvcdn.signing import TrustPolicy
 
@@ -319,7 +332,8 @@ def edge_serve(
             raise click.UsageError("--workers above 1 needs `kvcdn edge serve` as the command")
         counters = cache_dir / "workers"
         status = supervise(lambda name: worker_command(argv, name), n_workers, counters,
-                           lambda pid: remove_leftovers(cache_dir, pid))  # fmt: skip
+                           lambda pid: remove_leftovers(cache_dir, pid),
+                           worker_cores(cpu_affinity))  # fmt: skip
         raise SystemExit(status)
     run(node, host, int(port), idle_timeout_s=idle_timeout, max_connections=max_connections)
 

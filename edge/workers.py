@@ -6,13 +6,18 @@ left into the shared ledger, see :mod:`.shared`), then starts N workers, each
 ``kvcdn edge serve`` with the same options and a worker name. Each worker binds
 the port with ``SO_REUSEPORT``, so the kernel spreads new connections across
 them (no shared accept queue, no thundering herd), and serves on its own event
-loop with its own memory bounds. The supervisor restarts a worker that dies
-(giving up on one that keeps dying within seconds of its start), and on SIGTERM
-or SIGINT asks every worker to stop, as a single edge would, and waits for them.
+loop with its own memory bounds. With ``--cpu-affinity auto`` (the default) worker
+``i`` runs on the ``i``-th core the supervisor may use, as nginx's
+``worker_cpu_affinity auto`` places its workers: a worker the scheduler moves between
+cores finds its connections' state in another core's caches (docs/edge.md measures it).
+The supervisor restarts a worker that dies (giving up on one that keeps dying within
+seconds of its start), on the same core, and on SIGTERM or SIGINT asks every worker
+to stop, as a single edge would, and waits for them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -55,9 +60,21 @@ def worker_command(argv: list[str], name: str) -> list[str]:
             name]  # fmt: skip
 
 
-def _die_with_parent() -> None:
+def worker_cores(affinity: str) -> list[int] | None:
+    """The cores the workers are placed on in turn (``affinity`` ``auto``: those this
+    process may use, in order), or None: the kernel places them (``off``, or a
+    platform without ``sched_setaffinity``)."""
+    if affinity not in ("auto", "off"):
+        raise ValueError(f"CPU affinity {affinity!r} is not auto or off")
+    if affinity == "off" or not hasattr(os, "sched_setaffinity"):
+        return None
+    return sorted(os.sched_getaffinity(0))
+
+
+def _in_worker(core: int | None) -> None:
     """(In the worker, before exec.) Linux: a worker gets SIGTERM when its supervisor
-    dies, even by SIGKILL, rather than serving on, unsupervised."""
+    dies, even by SIGKILL, rather than serving on, unsupervised; and it runs on
+    ``core`` (None: anywhere)."""
     try:
         import ctypes
 
@@ -65,14 +82,22 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if core is not None:
+        try:
+            os.sched_setaffinity(0, {core})
+        except OSError:  # the core went offline since: serve wherever the kernel says
+            pass
 
 
 def supervise(command: Callable[[str], list[str]], workers: int, counters: Path,
-              exited: Callable[[int], None] | None = None) -> int:  # fmt: skip
+              exited: Callable[[int], None] | None = None,
+              cores: list[int] | None = None) -> int:  # fmt: skip
     """Run ``workers`` worker processes (``command(name)`` starts the one named
     ``name``) until SIGTERM or SIGINT; the exit status. ``counters`` is the folder
     of the workers' counters, emptied first: a new edge counts from zero.
-    ``exited(pid)`` is called for a worker that died, before it is started again."""
+    ``exited(pid)`` is called for a worker that died, before it is started again.
+    ``cores``: worker ``i`` runs on ``cores[i % len(cores)]``, and so does a worker
+    started again in its place (None: wherever the kernel places it)."""
     counters.mkdir(parents=True, exist_ok=True)
     for old in counters.iterdir():
         old.unlink(missing_ok=True)
@@ -102,9 +127,11 @@ def supervise(command: Callable[[str], list[str]], workers: int, counters: Path,
     def start(slot: int) -> None:
         starts[slot] += 1
         name = f"{slot}-{starts[slot]}"  # a restarted worker's counters are a new file
-        proc = subprocess.Popen(command(name), preexec_fn=_die_with_parent)
+        core = cores[slot % len(cores)] if cores else None
+        proc = subprocess.Popen(command(name), preexec_fn=functools.partial(_in_worker, core))
         procs[slot] = (proc, time.monotonic())
-        log.info("started worker %s (pid %d)", name, proc.pid)
+        where = f" on core {core}" if core is not None else ""
+        log.info("started worker %s (pid %d)%s", name, proc.pid, where)
 
     status = 0
     try:

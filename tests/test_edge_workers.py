@@ -219,6 +219,50 @@ def test_a_killed_worker_is_started_again_and_requests_keep_being_served(origin,
                                                                      ).read_text()  # fmt: skip
 
 
+def _cores_of(pids: set[int]) -> list[tuple[int, ...]]:
+    return sorted(tuple(sorted(os.sched_getaffinity(pid))) for pid in pids)
+
+
+def test_each_worker_keeps_a_core_of_its_own_and_a_restarted_one_takes_its_core(origin,
+                                                                               tmp_path):
+    """--cpu-affinity auto (the default): worker i on the i-th core the supervisor may
+    use, as nginx's worker_cpu_affinity auto; a worker started again after a crash is
+    placed where the one it replaces was; the supervisor itself is not pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    node = _start(origin, tmp_path / "cache")
+    assert node.proc is not None
+    try:
+        workers = _workers(node.proc.pid)
+        placed = _cores_of(workers)
+        assert placed == sorted([(cores[0],), (cores[1 % len(cores)],)])
+        assert os.sched_getaffinity(node.proc.pid) == set(cores)
+        key, data = next(iter(origin.objects.items()))
+        assert get(f"{node.url}/{key}")[2] == data
+        victim = max(workers)
+        place = os.sched_getaffinity(victim)
+        os.kill(victim, signal.SIGKILL)
+        after = _until(lambda: (w := _workers(node.proc.pid)) - workers and len(w) == 2 and w)
+        (new,) = after - workers
+        assert os.sched_getaffinity(new) == place
+        assert _cores_of(after) == placed
+    finally:
+        node.kill()
+    assert node.proc.returncode == 0
+
+
+def test_workers_placed_by_the_kernel_with_cpu_affinity_off(origin, tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    node = _start(origin, tmp_path / "cache", "--cpu-affinity", "off")
+    assert node.proc is not None
+    try:
+        assert _cores_of(_workers(node.proc.pid)) == [tuple(cores)] * 2
+        key, data = next(iter(origin.objects.items()))
+        assert get(f"{node.url}/{key}")[2] == data
+    finally:
+        node.kill()
+    assert node.proc.returncode == 0
+
+
 @pytest.fixture
 def slow_parent(origin, tmp_path):
     """A parent edge that sends 1 MB/s (one process, as every shaped edge): warming the
