@@ -151,7 +151,7 @@ def _parse_size(value: str, option: str) -> int:
     show_default=True,
     help="With --workers above 1: auto runs worker i on the i-th core this process may "
     "use (nginx's worker_cpu_affinity auto), so the scheduler never moves a worker "
-    "away from its caches (on 2 cores, about 10% more hits at 2 workers, docs/edge.md); "
+    "away from its caches (2 workers on 2 cores: 12-24% more hits, docs/edge.md); "
     "off lets the kernel place them, for a host whose cores other pinned programs share.",
 )
 @click.option("--worker-name", hidden=True, help="(Internal: set by the supervisor.)")
