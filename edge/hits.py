@@ -58,6 +58,7 @@ from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.web_protocol import RequestHandler
 
+from .linger import linger
 from .respond import Reply, sendfile_now
 
 log = logging.getLogger(__name__)
@@ -249,6 +250,19 @@ class HitHandler(RequestHandler):
         super().connection_made(transport)
         # sendfile(2) would bypass TLS: an encrypted connection is aiohttp's
         self._aiohttps = transport.get_extra_info("ssl_object") is not None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        # (asyncio calls this just before it closes the socket.) Closed with the client's
+        # bytes unread, the connection would be reset and the last answer's tail lost:
+        # it lingers instead (:mod:`.linger`), whoever closed it (aiohttp or the hit path)
+        transport = self.transport
+        if exc is None and transport is not None and (
+            transport.get_extra_info("ssl_object") is None
+        ):  # fmt: skip
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                linger(self._loop, sock)
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._aiohttps or self._force_close or self._close:

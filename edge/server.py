@@ -30,6 +30,7 @@ from kvcdn.errors import InputError
 from kvcdn.keys import KeyInfo
 from kvcdn.signing import TrustPolicy
 
+from . import linger
 from .admin import MAX_BODY, Admin
 from .auth import Access
 from .cache import DiskCache
@@ -148,6 +149,7 @@ class Edge:
         await self.admin.close()
         for origin in self.origins:
             await origin.close()
+        linger.end_all(asyncio.get_running_loop())  # the last answers had their time
 
     @web.middleware
     async def _count(self, request: web.Request, handler):  # type: ignore[no-untyped-def]

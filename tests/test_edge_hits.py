@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import web
 
-from kvcdn.edge import hits
+from kvcdn.edge import hits, linger
 from kvcdn.edge.cache import DiskCache
 from kvcdn.edge.origin import open_origin
 from kvcdn.edge.server import Edge, _LimitedSite
@@ -519,6 +519,53 @@ def test_a_client_sending_ahead_of_a_fill_is_not_read_past_a_bound(store, tmp_pa
                 while _whole(bytes(got), True) < 1 and (chunk := c.recv(1 << 20)):
                     got += chunk
             assert responses(bytes(got))[0][2] == data  # then aiohttp has the junk
+
+
+def test_an_answer_is_whole_when_its_connection_is_closed_with_bytes_unread(store, tmp_path):
+    """A client pipelines junk behind a hit and reads slowly: aiohttp answers the junk 400
+    and closes with the client's bytes unread, which would reset the connection and drop
+    what the hit's answer still had queued. The connection lingers instead: the answer,
+    then the 400, then the end."""
+    folder, objects = store
+    key, data = next(iter(objects.items()))
+    with serving(folder, tmp_path / "cache") as s:
+        assert responses(exchange(s.hit_port, get(key)))[0][2] == data  # cached: a hit now
+        junk = b"\x00" * (2 << 20)  # more than the socket buffers hold unread
+        got = exchange(s.hit_port, get(key) + junk, answers=None, rcvbuf=32 << 10, wait_s=1.0)
+        answers = responses(got)
+        assert [status for status, _, _ in answers] == [200, 400]
+        assert answers[0][2] == data
+        deadline = time.monotonic() + 5
+        while linger.lingering() and time.monotonic() < deadline:  # the client closed
+            time.sleep(0.05)
+        assert linger.lingering() == 0
+
+
+def test_a_lingering_connection_is_closed_after_its_time_whatever_the_client_sends(
+        store, tmp_path, monkeypatch):  # fmt: skip
+    """A client that never stops sending holds a lingering connection LINGER_S at most,
+    and is read a bounded amount a turn (the edge answers others meanwhile)."""
+    monkeypatch.setattr(linger, "LINGER_S", 1.0)
+    folder, objects = store
+    (key, data), (other, other_data) = objects.items()
+    with serving(folder, tmp_path / "cache") as s:
+        with socket.create_connection(("127.0.0.1", s.hit_port), timeout=10) as c:
+            c.sendall(get(key) + b"\x00" * (1 << 20))
+            ended = threading.Event()
+
+            def flood() -> None:
+                with contextlib.suppress(OSError):
+                    while True:
+                        c.sendall(b"\x00" * (1 << 20))
+                ended.set()
+
+            threading.Thread(target=flood, daemon=True).start()
+            time.sleep(0.3)
+            assert linger.lingering() == 1
+            # the loop serves others while the flood is read and discarded
+            assert responses(exchange(s.hit_port, get(other)))[0][2] == other_data
+            assert ended.wait(5), "the lingering connection was not closed"
+            assert linger.lingering() == 0
 
 
 def test_a_shutdown_during_a_fill_sends_the_whole_body(tmp_path):
