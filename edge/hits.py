@@ -233,7 +233,7 @@ class HitHandler(RequestHandler):
     ``hit(head)`` is the edge's decision: a :class:`Hit` to send, or None; then
     ``miss(head)``: a fill to wait for, or None for aiohttp."""
 
-    __slots__ = ("_hit", "_miss", "_pending", "_aiohttps", "_sending", "_held")
+    __slots__ = ("_hit", "_miss", "_pending", "_aiohttps", "_sending", "_held", "_plain")
 
     def __init__(self, manager: web.Server, *, hit: Callable[[Head], Hit | None],
                  miss: Callable[[Head], Filling | None] | None = None,
@@ -245,24 +245,26 @@ class HitHandler(RequestHandler):
         self._aiohttps = False  # the connection is aiohttp's for good
         self._sending = False  # a hit's body is being sent: later requests wait
         self._held = False  # reading paused: MAX_PENDING bytes wait
+        self._plain: Any = None  # the connection's socket, unless TLS: to linger on
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         # sendfile(2) would bypass TLS: an encrypted connection is aiohttp's
         self._aiohttps = transport.get_extra_info("ssl_object") is not None
+        if not self._aiohttps:
+            self._plain = transport.get_extra_info("socket")
 
     def connection_lost(self, exc: BaseException | None) -> None:
         # (asyncio calls this just before it closes the socket.) Closed with the client's
         # bytes unread, the connection would be reset and the last answer's tail lost:
-        # it lingers instead (:mod:`.linger`), whoever closed it (aiohttp or the hit path)
-        transport = self.transport
-        if exc is None and transport is not None and (
-            transport.get_extra_info("ssl_object") is None
-        ):  # fmt: skip
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                linger(self._loop, sock)
-        super().connection_lost(exc)
+        # it lingers instead (:mod:`.linger`), whoever closed it: the hit path, aiohttp,
+        # or aiohttp's force_close (which lets go of the transport before this)
+        try:
+            if exc is None and self._plain is not None:
+                linger(self._loop, self._plain)
+        finally:
+            self._plain = None
+            super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._aiohttps or self._force_close or self._close:

@@ -36,8 +36,9 @@ LINGER_S = 5.0
 #: Sockets lingering at once in a process, at most; beyond, a close resets as before.
 #: (Each holds one descriptor: within the room :func:`.server.connection_limit` leaves.)
 MAX_LINGERING = 64
-#: Bytes read from one lingering socket in a turn of the event loop, at most.
-READ_PER_WAKE = 1 << 20
+#: Bytes read from one lingering socket in a turn of the event loop, at most: what
+#: asyncio's own transports read a turn.
+READ_PER_WAKE = 256 << 10
 
 # each lingering socket: its event loop, and what ends its lingering
 _lingering: dict[socket.socket, tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}
@@ -104,9 +105,14 @@ def linger(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
 
 
 def end_all(loop: asyncio.AbstractEventLoop) -> None:
-    """Close every socket lingering on ``loop`` now (its server stops: on ``loop``)."""
-    for _, end in [v for v in _lingering.values() if v[0] is loop]:
-        end()
+    """Close every socket lingering on ``loop`` now (its server stops: on ``loop``). A
+    loop closed without this keeps its sockets until the process's next :func:`linger`
+    or :func:`lingering`."""
+    # the snapshot in one call: another thread's loop may change the map (tests run
+    # several edges in one process)
+    for owner, end in list(_lingering.values()):
+        if owner is loop:
+            end()
 
 
 def _forget_closed_loops() -> None:
