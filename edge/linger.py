@@ -23,12 +23,9 @@ from __future__ import annotations
 import array
 import asyncio
 import fcntl
-import logging
 import socket
 import termios
 from collections.abc import Callable
-
-log = logging.getLogger(__name__)
 
 #: How long a closed connection is read and discarded, at most (nginx's
 #: ``lingering_time`` is 30 s; its clients' answers are as short as the edge's).
