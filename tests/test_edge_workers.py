@@ -38,6 +38,11 @@ def _workers(pid: int) -> set[int]:
     return {int(c) for c in children}
 
 
+def _cores_of(pids: set[int]) -> list[tuple[int, ...]]:
+    """Each process's cores (its CPU affinity), sorted."""
+    return sorted(tuple(sorted(os.sched_getaffinity(pid))) for pid in pids)
+
+
 def _start(origin: MotoOrigin, cache: Path, *extra: str) -> EdgeProcess:
     node = EdgeProcess(origin.url, cache, origin.endpoint, "--workers", "2", *extra).start()
     deadline = time.monotonic() + 30
@@ -190,6 +195,10 @@ def test_two_workers_keep_the_folder_under_max_bytes(origin, tmp_path):
 
 
 def test_a_killed_worker_is_started_again_and_requests_keep_being_served(origin, tmp_path):
+    """... on the core it had: with --cpu-affinity auto (the default) worker i runs on the
+    i-th core the supervisor may use (nginx's worker_cpu_affinity auto), and the
+    supervisor itself is not pinned."""
+    cores = sorted(os.sched_getaffinity(0))
     cache = tmp_path / "cache"
     node = _start(origin, cache)
     assert node.proc is not None
@@ -198,7 +207,11 @@ def test_a_killed_worker_is_started_again_and_requests_keep_being_served(origin,
         assert get(f"{node.url}/{key}")[2] == data
         before = _workers(node.proc.pid)
         assert len(before) == 2
+        placed = _cores_of(before)
+        assert placed == sorted([(cores[0],), (cores[1 % len(cores)],)])
+        assert os.sched_getaffinity(node.proc.pid) == set(cores)
         victim = min(before)
+        place = os.sched_getaffinity(victim)
         os.kill(victim, signal.SIGKILL)
         # Connections the kernel queued at the dying worker's socket are reset, as with
         # nginx's `reuseport`; once its socket is gone the other worker takes them all.
@@ -207,6 +220,10 @@ def test_a_killed_worker_is_started_again_and_requests_keep_being_served(origin,
             assert get(f"{node.url}/{key}")[2] == data
         after = _until(lambda: (w := _workers(node.proc.pid)) - before and len(w) == 2 and w)
         assert victim not in after
+        (new,) = after - before
+        # a child is listed from its fork on, and placed just before it runs kvcdn
+        _until(lambda: os.sched_getaffinity(new) == place)
+        assert _cores_of(after) == placed
         _until(lambda: len(list((cache / "workers").glob("*.json"))) == 3)  # the new one too
         for _ in range(10):
             assert get(f"{node.url}/{key}")[2] == data
@@ -217,38 +234,6 @@ def test_a_killed_worker_is_started_again_and_requests_keep_being_served(origin,
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status"
                                                                      ).read_text()  # fmt: skip
-
-
-def _cores_of(pids: set[int]) -> list[tuple[int, ...]]:
-    return sorted(tuple(sorted(os.sched_getaffinity(pid))) for pid in pids)
-
-
-def test_each_worker_keeps_a_core_of_its_own_and_a_restarted_one_takes_its_core(origin,
-                                                                               tmp_path):
-    """--cpu-affinity auto (the default): worker i on the i-th core the supervisor may
-    use, as nginx's worker_cpu_affinity auto; a worker started again after a crash is
-    placed where the one it replaces was; the supervisor itself is not pinned."""
-    cores = sorted(os.sched_getaffinity(0))
-    node = _start(origin, tmp_path / "cache")
-    assert node.proc is not None
-    try:
-        workers = _workers(node.proc.pid)
-        placed = _cores_of(workers)
-        assert placed == sorted([(cores[0],), (cores[1 % len(cores)],)])
-        assert os.sched_getaffinity(node.proc.pid) == set(cores)
-        key, data = next(iter(origin.objects.items()))
-        assert get(f"{node.url}/{key}")[2] == data
-        victim = max(workers)
-        place = os.sched_getaffinity(victim)
-        os.kill(victim, signal.SIGKILL)
-        after = _until(lambda: (w := _workers(node.proc.pid)) - workers and len(w) == 2 and w)
-        (new,) = after - workers
-        # a child is listed from its fork on, and placed just before it runs kvcdn
-        _until(lambda: os.sched_getaffinity(new) == place)
-        assert _cores_of(after) == placed
-    finally:
-        node.kill()
-    assert node.proc.returncode == 0
 
 
 def test_workers_placed_by_the_kernel_with_cpu_affinity_off(origin, tmp_path):
