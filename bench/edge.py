@@ -580,7 +580,8 @@ def main() -> int:
         f"client: {args.client_procs} processes, {args.clients} keep-alive connections in all, "
         "on the same CPUs as the server and the origin (moto).",
     ]
-    if _returns_free_memory():
+    free_page_reporting = _returns_free_memory()
+    if free_page_reporting:
         notes.append(
             "this VM returns freed memory to its host (virtio-balloon free page reporting): "
             "a page-cache page a miss writes costs a host fault on its first write, and "
@@ -622,7 +623,7 @@ def main() -> int:
     nginx = None if args.no_nginx else subprocess.run([args.nginx, "-v"], capture_output=True)
     setup = {k: getattr(args, k) for k in ("objects", "size", "clients", "client_procs", "workers",
                                            "rounds", "cpu_affinity")}  # fmt: skip
-    setup |= {"free_page_reporting": _returns_free_memory()}
+    setup |= {"free_page_reporting": free_page_reporting}
     setup |= {"hit_seconds": args.duration, "sha256_check_every": args.check_every}
     setup |= {"client": "asyncio HTTP/1.1, keep-alive, reads into a preallocated buffer"}
     setup |= {"origin": "moto S3 server, a subprocess on 127.0.0.1", "cpus": os.cpu_count()}
