@@ -92,12 +92,26 @@ def test_killed_publish_keeps_the_previous_version_and_resumes(model, short_text
     assert v2.version == 2
     assert v2.uploaded_objects + v2.reused_objects == v2.chunks * len(LADDER)
     final = _objects(store)
-    # Only what was still missing went up: the leftovers held the very bytes this run
-    # computed (their keys are their sha256), so they were checked and kept.
+    loaded_v2 = sdk.load_context("guide", store=store, model=model)
+    assert loaded_v2.manifest.version == 2
+    named = {ref.key for c in loaded_v2.manifest.chunks for ref in c.objects.values()}
+    # Only what was still missing went up: a leftover this run named held the very
+    # bytes it computed (its key is their sha256), so it was checked and kept.
     assert len(set(final) - set(before)) == len(leftovers) + v2.uploaded_objects
+    kept = leftovers & named
     # + the first chunk's objects, which come before the change
-    assert v2.reused_objects >= len(leftovers) + len(LADDER)
+    assert v2.reused_objects >= len(kept) + len(LADDER)
+    # A leftover it did not name holds other bytes for the same chunk and level: the
+    # killed run, in another process, computed other bytes for them. CI saw it once in
+    # about ten runs (neither leftover named, 5 objects reused); 40 runs here, in one
+    # process and across processes, and the suite's own order, did not repeat it.
+    # PyTorch does not promise bit-identical floats across processes. This run then
+    # stores its own bytes beside the leftover, which stays an orphan for `kvcdn gc`.
+    superseded = leftovers - named
+    for key in superseded:
+        chunk_folder, level_and_sha = key.rsplit("/", 1)
+        level_id = level_and_sha.split(".", 1)[0]
+        assert any(k.startswith(f"{chunk_folder}/{level_id}.") for k in named), key
     assert versions(store, "guide") == [1, 2]
-    assert sdk.load_context("guide", store=store, model=model).manifest.version == 2
     report = check_store(store)
-    assert report.ok and report.orphans == []  # the new version names the leftovers
+    assert report.ok and set(report.orphans) == superseded  # the new version names the rest
