@@ -13,8 +13,11 @@ per element of what a reader of the level fetches, the model's mean next-token K
 perplexity change over the next 257 tokens against the exact KV, and decode speed
 (fp16-equivalent MB/s, best of 3 after a warm-up, of bytes already checked against
 their digests, as a reader decodes them; the nested ladder's also with its
-scalar kernel, one group at a time, the baseline of the vector one); then the store's bytes per
-document for all levels, before (independent) and after (nested).
+scalar kernel, one group at a time, the baseline of the vector one, and for the whole
+document: each chunk in turn on the kernels' threads, as a reader's loader decodes
+today, against two chunks at once, each on one thread, medians of 5 passes
+alternated); then the store's bytes per document for all levels, before
+(independent) and after (nested).
 
 ``--design`` adds the design study the nested layout was chosen by: it plans a nested
 ladder (:mod:`kvcdn.progressive`) for the embedded model on the
@@ -217,16 +220,21 @@ def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tupl
         for k, name in enumerate(tiers):
             out = torch.empty_like(kv)
             nbytes, seconds, scalar = 0, 0.0, 0.0
+            decodes = []
             for data, (a, b) in zip(objects, spans, strict=True):
                 nbytes += tier_bytes(data, k + 1)
                 decode = partial(decode_chunk, data, profile=profile, out=out[:, :, :, a:b],
                                  tiers=k + 1, verified=True)  # fmt: skip
+                decodes.append(decode)
                 seconds += _best(decode)
                 with _group_by_group():
                     scalar += _best(decode)
+            one, two = _whole_document(decodes)
             rows.setdefault(name, {}).setdefault("nested", []).append(
                 {"bits": 8 * nbytes / kv.numel(), "decode_mb_s": 2 * kv.numel() / seconds / 1e6,
                  "scalar_decode_mb_s": 2 * kv.numel() / scalar / 1e6,
+                 "document_decode_mb_s": 2 * kv.numel() / one / 1e6,
+                 "document_two_at_once_mb_s": 2 * kv.numel() / two / 1e6,
                  **measure(model, sample, out)})  # fmt: skip
         log(f"{doc}: real objects done")
     summary = {name: {layout: {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
@@ -234,7 +242,8 @@ def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tupl
     table = Table(title=f"Real objects, {model.name}, mean of {len(samples)} held-out documents, "
                   f"{CHUNK}-token chunks: bits a reader of the level fetches")  # fmt: skip
     for col in ("level", "independent bits", "KL", "PPL Δ%", "MB/s", "nested bits", "KL",
-                "PPL Δ%", "MB/s", "MB/s group by group", "nested/independent"):  # fmt: skip
+                "PPL Δ%", "MB/s", "MB/s group by group", "document MB/s", "two at once",
+                "nested/independent"):  # fmt: skip
         table.add_column(col, justify="right")
     for name in tiers:
         n = summary[name]["nested"]
@@ -247,7 +256,10 @@ def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tupl
             ratio = f"{n['bits'] / i['bits']:.3f}x"
         table.add_row(name, *cells, f"{n['bits']:.3f}", f"{n['kl']:.4f}",
                       f"{n['ppl_delta_pct']:+.2f}", f"{n['decode_mb_s']:.0f}",
-                      f"{n['scalar_decode_mb_s']:.0f}", ratio)  # fmt: skip
+                      f"{n['scalar_decode_mb_s']:.0f}", f"{n['document_decode_mb_s']:.0f}",
+                      f"{n['document_two_at_once_mb_s']:.0f} "
+                      f"({n['document_two_at_once_mb_s'] / n['document_decode_mb_s']:.2f}x)",
+                      ratio)  # fmt: skip
     console.print(table)
     independent = sum(summary[n]["independent"]["bits"] for n in LADDER)
     nested = summary[tiers[-1]]["nested"]["bits"]
@@ -259,6 +271,57 @@ def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tupl
     )
     return {"summary": summary, "store_bits": {"independent": independent, "nested": nested},
             "documents": rows}  # fmt: skip
+
+
+def _whole_document(decodes: list[Any], rounds: int = 5) -> tuple[float, float]:
+    """Seconds to decode every chunk of a document: one chunk at a time on the kernels'
+    threads (as a reader's loader decodes today), and two chunks at once, each on one
+    thread (the kernels set to one thread, two Python threads sharing the chunks); the
+    medians of ``rounds`` passes after a warm-up, the two ways alternated."""
+    import statistics
+    import threading
+
+    from kvcdn.kernels import parallel
+
+    threads = parallel.get_threads()
+
+    def in_turn() -> None:
+        for decode in decodes:
+            decode()
+
+    def two_at_once() -> None:
+        failed: list[BaseException] = []
+
+        def share(first: int) -> None:
+            try:
+                for decode in decodes[first::2]:
+                    decode()
+            except BaseException as exc:  # raised on the caller's thread below
+                failed.append(exc)
+
+        pair = [threading.Thread(target=share, args=(i,)) for i in range(2)]
+        for t in pair:
+            t.start()
+        for t in pair:
+            t.join()
+        if failed:
+            raise failed[0]
+
+    one: list[float] = []
+    two: list[float] = []
+    try:
+        for _ in range(rounds + 1):
+            parallel.set_threads(threads)
+            t = time.perf_counter()
+            in_turn()
+            one.append(time.perf_counter() - t)
+            parallel.set_threads(1)
+            t = time.perf_counter()
+            two_at_once()
+            two.append(time.perf_counter() - t)
+    finally:
+        parallel.set_threads(threads)
+    return statistics.median(one[1:]), statistics.median(two[1:])
 
 
 @contextmanager
