@@ -276,11 +276,11 @@ def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tupl
 def _whole_document(decodes: list[Any], rounds: int = 5) -> tuple[float, float]:
     """Seconds to decode every chunk of a document: one chunk at a time on the kernels'
     threads (as a reader's loader decodes today), and as many chunks at once as those
-    threads, each on one (the kernels set to one thread, as many Python threads sharing
-    the chunks); the medians of ``rounds`` passes after a warm-up, the two ways
+    threads, each on one (the kernels set to one thread, a pool of as many threads
+    sharing the chunks); the medians of ``rounds`` passes after a warm-up, the two ways
     alternated."""
     import statistics
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     from kvcdn.kernels import parallel
 
@@ -291,22 +291,12 @@ def _whole_document(decodes: list[Any], rounds: int = 5) -> tuple[float, float]:
             decode()
 
     def at_once() -> None:
-        failed: list[BaseException] = []
-
         def share(first: int) -> None:
-            try:
-                for decode in decodes[first::threads]:
-                    decode()
-            except BaseException as exc:  # raised on the caller's thread below
-                failed.append(exc)
+            for decode in decodes[first::threads]:
+                decode()
 
-        workers = [threading.Thread(target=share, args=(i,)) for i in range(threads)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join()
-        if failed:
-            raise failed[0]
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(share, range(threads)))  # a decode's error is raised here
 
     one: list[float] = []
     many: list[float] = []
