@@ -1,6 +1,6 @@
 """Nested ladder against independent levels: sizes, quality and decode speed, one run.
 
-    python bench/progressive.py [--docs FILE ...] [--context-tokens 2048] [--design]
+    python bench/progressive.py [--docs FILE ...] [--context-tokens 2048] [--quality] [--design]
                                 [--base-bits 1.4] [--contexts] [--transforms]
                                 [--channels | --profile FILE] [--json OUT.json]
 
@@ -18,6 +18,12 @@ document: each chunk in turn on the kernels' threads, as a reader's loader decod
 today, against as many chunks at once as the kernels have threads, each on one,
 medians of 5 passes alternated); then the store's bytes per document for all levels, before
 (independent) and after (nested).
+
+``--quality`` replaces that table by a paired comparison of the two layouts' quality
+on more documents (the default set and nine more man pages, none a calibration
+text), untimed: per level each layout's mean bits, KL and PPL change, and the mean
+difference nested - independent of KL and of PPL change with a 95% bootstrap interval
+over documents, and the documents where the nested level is at least as good.
 
 ``--design`` adds the design study the nested layout was chosen by: it plans a nested
 ladder (:mod:`kvcdn.progressive`) for the embedded model on the
@@ -109,6 +115,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", type=Path, metavar="FILE",
                    help="use this codec profile file (e.g. `kvcdn calibrate --no-transform "
                         "--out FILE`) instead of the model's own")
+    p.add_argument("--quality", action="store_true",
+                   help="instead of the real objects' table, compare the two layouts' quality "
+                        "document by document on more held-out documents (default: the "
+                        "default set and 9 more man pages), with 95%% bootstrap intervals "
+                        "of the differences (minutes: no speed measured)")
     p.add_argument("--no-real", action="store_true",
                    help="skip the real objects (with --design, --contexts or --transforms)")
     p.add_argument("--json", type=Path, default=RESULTS / "progressive.json")
@@ -135,7 +146,7 @@ def main() -> int:
         return 1
     docs_dir = tempfile.TemporaryDirectory(prefix="kvcdn-progressive-bench-")
     samples: dict[str, tuple[str, Any]] = {}
-    for doc, path, origin in gather_docs(args.docs, Path(docs_dir.name)):
+    for doc, path, origin in gather_docs(args.docs, Path(docs_dir.name), more=args.quality):
         text = path.read_text(encoding="utf-8", errors="replace")
         if len(model.document_ids(text)) < args.context_tokens + CONTINUATION_TOKENS:
             warn(f"{doc} is too short: skipped")
@@ -148,7 +159,9 @@ def main() -> int:
     out: dict[str, Any] = {"model": model.name, "context_tokens": args.context_tokens,
                            "profile": profile.sha256,
                            "transform": profile.nested.transform is not None}  # fmt: skip
-    if not args.no_real:
+    if args.quality:
+        out["quality"] = quality_study(console, model, profile, samples)
+    elif not args.no_real:
         out["real"] = real_objects(console, model, profile, samples)
     if args.contexts:
         out["contexts"] = contexts_study(console, args, model, profile, samples)
@@ -187,55 +200,16 @@ def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tupl
     """Both layouts of the profile as real objects: per level the bits a reader fetches,
     the quality of what it decodes, and the decode speed."""
     import numpy as np
-    import torch
     from rich.table import Table
 
-    from kvcdn.codec import decode_chunk, encode_chunk, ladder_level, nested_level, tier_bytes
     from kvcdn.codec_profile import LADDER
-    from kvcdn.quality import measure
 
     tiers = list(profile.nested.tiers)
-    top = nested_level(tiers[-1], profile)
     rows: dict[str, dict[str, list[dict[str, float]]]] = {}
     for doc, (_, sample) in samples.items():
-        kv = sample.kv.contiguous()
-        T = kv.shape[3]
-        spans = [(a, min(a + CHUNK, T)) for a in range(0, T, CHUNK)]
-        # independent: one object a level
-        for name in LADDER:
-            out = torch.empty_like(kv)
-            nbytes, seconds = 0, 0.0
-            for a, b in spans:
-                data = encode_chunk(ladder_level(name, profile), kv[:, :, :, a:b].contiguous(),
-                                    "0" * 64, profile=profile, start=a)  # fmt: skip
-                nbytes += len(data)
-                seconds += _best(lambda d=data, o=out[:, :, :, a:b]: decode_chunk(
-                    d, profile=profile, out=o, verified=True))  # fmt: skip
-            rows.setdefault(name, {}).setdefault("independent", []).append(
-                {"bits": 8 * nbytes / kv.numel(), "decode_mb_s": 2 * kv.numel() / seconds / 1e6,
-                 **measure(model, sample, out)})  # fmt: skip
-        # nested: one object a chunk, each level its first tiers
-        objects = [encode_chunk(top, kv[:, :, :, a:b].contiguous(), "0" * 64, profile=profile,
-                                start=a) for a, b in spans]  # fmt: skip
-        for k, name in enumerate(tiers):
-            out = torch.empty_like(kv)
-            nbytes, seconds, scalar = 0, 0.0, 0.0
-            decodes = []
-            for data, (a, b) in zip(objects, spans, strict=True):
-                nbytes += tier_bytes(data, k + 1)
-                decode = partial(decode_chunk, data, profile=profile, out=out[:, :, :, a:b],
-                                 tiers=k + 1, verified=True)  # fmt: skip
-                decodes.append(decode)
-                seconds += _best(decode)
-                with _group_by_group():
-                    scalar += _best(decode)
-            one, many = _whole_document(decodes)
-            rows.setdefault(name, {}).setdefault("nested", []).append(
-                {"bits": 8 * nbytes / kv.numel(), "decode_mb_s": 2 * kv.numel() / seconds / 1e6,
-                 "scalar_decode_mb_s": 2 * kv.numel() / scalar / 1e6,
-                 "document_decode_mb_s": 2 * kv.numel() / one / 1e6,
-                 "document_at_once_mb_s": 2 * kv.numel() / many / 1e6,
-                 **measure(model, sample, out)})  # fmt: skip
+        for name, by in _document_levels(model, profile, sample, timed=True).items():
+            for layout, row in by.items():
+                rows.setdefault(name, {}).setdefault(layout, []).append(row)
         log(f"{doc}: real objects done")
     summary = {name: {layout: {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
                       for layout, runs in by.items()} for name, by in rows.items()}  # fmt: skip
@@ -271,6 +245,127 @@ def real_objects(console: Any, model: Any, profile: Any, samples: dict[str, tupl
     )
     return {"summary": summary, "store_bits": {"independent": independent, "nested": nested},
             "documents": rows}  # fmt: skip
+
+
+def _document_levels(model: Any, profile: Any, sample: Any, *, timed: bool
+                     ) -> dict[str, dict[str, dict[str, float]]]:  # fmt: skip
+    """One document's real objects, both layouts: per level and layout the bits a reader
+    of the level fetches and the quality of what it decodes; ``timed``, also the decode
+    speeds (the independent ladder's, and the nested one's vector and scalar kernels,
+    chunk by chunk and for the whole document)."""
+    import torch
+
+    from kvcdn.codec import decode_chunk, encode_chunk, ladder_level, nested_level, tier_bytes
+    from kvcdn.codec_profile import LADDER
+    from kvcdn.quality import measure
+
+    tiers = list(profile.nested.tiers)
+    top = nested_level(tiers[-1], profile)
+    kv = sample.kv.contiguous()
+    T = kv.shape[3]
+    spans = [(a, min(a + CHUNK, T)) for a in range(0, T, CHUNK)]
+    rows: dict[str, dict[str, dict[str, float]]] = {}
+    # independent: one object a level
+    for name in LADDER:
+        out = torch.empty_like(kv)
+        nbytes, seconds = 0, 0.0
+        for a, b in spans:
+            data = encode_chunk(ladder_level(name, profile), kv[:, :, :, a:b].contiguous(),
+                                "0" * 64, profile=profile, start=a)  # fmt: skip
+            nbytes += len(data)
+            decode = partial(decode_chunk, data, profile=profile, out=out[:, :, :, a:b],
+                             verified=True)  # fmt: skip
+            if timed:
+                seconds += _best(decode)
+            else:
+                decode()
+        row = {"bits": 8 * nbytes / kv.numel(), **measure(model, sample, out)}
+        if timed:
+            row["decode_mb_s"] = 2 * kv.numel() / seconds / 1e6
+        rows.setdefault(name, {})["independent"] = row
+    # nested: one object a chunk, each level its first tiers
+    objects = [encode_chunk(top, kv[:, :, :, a:b].contiguous(), "0" * 64, profile=profile,
+                            start=a) for a, b in spans]  # fmt: skip
+    for k, name in enumerate(tiers):
+        out = torch.empty_like(kv)
+        nbytes, seconds, scalar = 0, 0.0, 0.0
+        decodes = []
+        for data, (a, b) in zip(objects, spans, strict=True):
+            nbytes += tier_bytes(data, k + 1)
+            decode = partial(decode_chunk, data, profile=profile, out=out[:, :, :, a:b],
+                             tiers=k + 1, verified=True)  # fmt: skip
+            decodes.append(decode)
+            if timed:
+                seconds += _best(decode)
+                with _group_by_group():
+                    scalar += _best(decode)
+            else:
+                decode()
+        row = {"bits": 8 * nbytes / kv.numel(), **measure(model, sample, out)}
+        if timed:
+            one, many = _whole_document(decodes)
+            row |= {"decode_mb_s": 2 * kv.numel() / seconds / 1e6,
+                    "scalar_decode_mb_s": 2 * kv.numel() / scalar / 1e6,
+                    "document_decode_mb_s": 2 * kv.numel() / one / 1e6,
+                    "document_at_once_mb_s": 2 * kv.numel() / many / 1e6}  # fmt: skip
+        rows.setdefault(name, {})["nested"] = row
+    return rows
+
+
+#: Resamples of the documents for the quality study's intervals (seeded: a rerun on the
+#: same figures gives the same intervals).
+BOOTSTRAP_RESAMPLES = 10_000
+
+
+def quality_study(console: Any, model: Any, profile: Any, samples: dict[str, tuple[str, Any]]
+                  ) -> dict[str, Any]:  # fmt: skip
+    """Both layouts' real objects on every document, untimed: per level the mean bits,
+    KL and PPL change of each, and the paired difference nested - independent of KL and
+    of PPL change, with a 95% bootstrap interval over documents (the unit whose texts
+    differ: tokens of one document are not independent) and the documents where the
+    nested level is at least as good."""
+    import numpy as np
+    from rich.table import Table
+
+    per_doc: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for doc, (_, sample) in samples.items():
+        per_doc[doc] = _document_levels(model, profile, sample, timed=False)
+        log(f"{doc}: both layouts measured")
+    tiers = [t for t in profile.nested.tiers if "independent" in next(iter(per_doc.values()))[t]]
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(per_doc), size=(BOOTSTRAP_RESAMPLES, len(per_doc)))
+    table = Table(title=f"Nested against independent levels, {model.name}, {len(per_doc)} "
+                  "held-out documents: means, and nested - independent with 95% bootstrap "
+                  "intervals over documents")  # fmt: skip
+    for col in ("level", "bits (ind., nested)", "KL (ind., nested)", "KL difference",
+                "KL: nested as good", "PPL Δ% (ind., nested)", "PPL Δ% difference",
+                "PPL: nested as good"):  # fmt: skip
+        table.add_column(col, justify="right")
+    summary: dict[str, Any] = {}
+    for name in tiers:
+        got: dict[str, Any] = {}
+        for key in ("bits", "kl", "ppl_delta_pct"):
+            ind = np.array([per_doc[d][name]["independent"][key] for d in per_doc])
+            nes = np.array([per_doc[d][name]["nested"][key] for d in per_doc])
+            diff = nes - ind
+            lo, hi = np.percentile(diff[picks].mean(axis=1), [2.5, 97.5])
+            got[key] = {"independent": float(ind.mean()), "nested": float(nes.mean()),
+                        "difference": float(diff.mean()), "interval": [float(lo), float(hi)],
+                        "nested_as_good": int((diff <= 0).sum())}  # fmt: skip
+        summary[name] = got
+        b, kl, ppl = got["bits"], got["kl"], got["ppl_delta_pct"]
+        n = len(per_doc)
+        table.add_row(
+            name, f"{b['independent']:.3f}, {b['nested']:.3f}",
+            f"{kl['independent']:.4f}, {kl['nested']:.4f}",
+            f"{kl['difference']:+.4f} [{kl['interval'][0]:+.4f}, {kl['interval'][1]:+.4f}]",
+            f"{kl['nested_as_good']} of {n}",
+            f"{ppl['independent']:+.2f}, {ppl['nested']:+.2f}",
+            f"{ppl['difference']:+.2f} [{ppl['interval'][0]:+.2f}, {ppl['interval'][1]:+.2f}]",
+            f"{ppl['nested_as_good']} of {n}",
+        )  # fmt: skip
+    console.print(table)
+    return {"summary": summary, "documents": per_doc, "resamples": BOOTSTRAP_RESAMPLES}
 
 
 def _whole_document(decodes: list[Any], rounds: int = 5) -> tuple[float, float]:

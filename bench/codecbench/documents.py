@@ -4,6 +4,9 @@ Default: bash(1) (from character 60,000 on), curl(1) and grep(1), rendered
 with ``MANWIDTH=80 man -P cat NAME | col -bx``, and one seed text from
 ``../shared/seeds`` (a folder beside the checkout, not part of the
 repository), each used where this machine has it; ``--docs`` replaces them.
+Studies that compare two codecs document by document add more pages
+(:data:`MORE_MAN_PAGES`: tar, ssh, man, dpkg, systemctl, journalctl, strace,
+openssl, perl).
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from .log import warn
 
 REPO = Path(__file__).resolve().parents[2]
 MAN_PAGES = (("bash", 60000), ("curl", 0), ("grep", 0))  # (page, first character kept)
+#: More held-out pages (none a calibration text), for studies that compare two codecs'
+#: quality document by document and need more documents than the default set.
+MORE_MAN_PAGES = (("tar", 0), ("ssh", 0), ("man", 0), ("dpkg", 0), ("systemctl", 0),
+                  ("journalctl", 0), ("strace", 0), ("openssl", 0), ("perl", 0))  # fmt: skip
 #: Relative to the checkout, so any machine with the shared folder beside it finds it.
 SEED_DOC = REPO.parent / "shared" / "seeds" / "000_5ef0ab13d28a5ea6.txt"
 
@@ -38,8 +45,10 @@ def render_man(page: str, skip: int, folder: Path) -> Path | None:
     return path
 
 
-def gather_docs(paths: list[Path] | None, folder: Path) -> list[tuple[str, Path, str]]:
-    """(name, path, origin) of each document: ``paths``, or the default set rendered in ``folder``.
+def gather_docs(paths: list[Path] | None, folder: Path, *, more: bool = False
+                ) -> list[tuple[str, Path, str]]:  # fmt: skip
+    """(name, path, origin) of each document: ``paths``, or the default set rendered in
+    ``folder`` (``more``: and :data:`MORE_MAN_PAGES`).
 
     Names are made unique with a ``-2``, ``-3`` ... suffix.
     """
@@ -48,7 +57,7 @@ def gather_docs(paths: list[Path] | None, folder: Path) -> list[tuple[str, Path,
         for p in paths:
             out.append((p.stem, p, str(p)))
     else:
-        for page, skip in MAN_PAGES:
+        for page, skip in MAN_PAGES + (MORE_MAN_PAGES if more else ()):
             path = render_man(page, skip, folder)
             if path is not None:
                 origin = f"MANWIDTH=80 man -P cat {page} | col -bx"
