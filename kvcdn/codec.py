@@ -297,6 +297,7 @@ def read_part(reader: Reader, ref: ObjectRef, part: Part | None, *, name: str,
                            **fetch_options)  # fmt: skip
         index = parse_index(got.data, name=name, object_size=ref.bytes, digest=digest,
                             verify_digest=False)  # fmt: skip
+        check_object_tiers(index.header, index.tiers, name)
         index_bytes, index_source = len(got.data), got.source
         if indexes is not None:
             indexes.put(ref, index, index_bytes)
@@ -474,12 +475,26 @@ def open_chunk(
     the chunk it holds checked against ``chunk_hash`` (when given). A part read was
     checked section by section as it arrived."""
     if isinstance(data, PartRead):
-        header, body = data.header, data.body
+        header, body = data.header, data.body  # its index was checked as it was read
     else:
         header, body = unpack(data, name=name, verify_digest=not verified)
+        if body.sections is not None:
+            layers, _, heads = header.shape[:3]
+            check_object_tiers(header, len(body.sections) // (layers * heads), name)
     if chunk_hash is not None and header.chunk_hash != chunk_hash:
         raise FormatError(f"{name} holds another chunk than its manifest says")
     return header, body
+
+
+def check_object_tiers(header: ChunkHeader, tiers: int, name: str) -> None:
+    """Refuse a version-2 object holding another number of tiers of sections than its
+    codec's objects hold (``docs/format.md``: extra sections would be bytes that no
+    reader decodes). A codec this reader does not know is refused where it decodes."""
+    codec = known_codec(header.codec)
+    expected = None if codec is None else codec.object_tiers(header, name)
+    if expected is not None and tiers != expected:
+        raise FormatError(f"{name} holds {tiers} tiers of sections; a {header.codec} object "
+                          f"like it holds {expected}")  # fmt: skip
 
 
 def is_exact(codec_id: str) -> bool:

@@ -64,6 +64,9 @@ FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
 MAX_HEADER_BYTES = 1 << 20
 MAX_CHUNK_ELEMENTS = 1 << 34  # far above any real chunk; stops absurd shapes early
+#: Tokens of one chunk: a manifest's chunks hold at most this many, so no object of a
+#: published chunk holds more (and a decode into a new tensor allocates no more).
+MAX_CHUNK_TOKENS = 65536
 #: Sections of one object: far above any model's kv_heads x layers (llama-70b: 640).
 MAX_SECTIONS = 1 << 16
 #: Tiers of one object (a nested codec's base and refinements).
@@ -387,6 +390,9 @@ def _validate_header(raw: Any, name: str) -> ChunkHeader:
         raise FormatError(f"{name} header has an invalid shape {shape!r}")
     if math.prod(shape) > MAX_CHUNK_ELEMENTS:
         raise FormatError(f"{name} header shape {shape!r} is implausibly large")
+    if shape[3] > MAX_CHUNK_TOKENS:
+        raise FormatError(f"{name} header shape {shape!r} holds more than {MAX_CHUNK_TOKENS} "
+                          "tokens, the most a chunk has")  # fmt: skip
     chunk_hash = raw.get("chunk_hash")
     if not isinstance(chunk_hash, str) or not _HEX64.match(chunk_hash):
         raise FormatError(f"{name} header has an invalid chunk_hash")

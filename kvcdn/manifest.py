@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import keys
-from .container import MAX_TIERS
+from .container import MAX_CHUNK_TOKENS, MAX_TIERS
 from .errors import FormatError, InputError, IntegrityError, OldSchema
 from .jsonfmt import loads
 from .signing import MANIFEST_TYPE, POINTER_TYPE, Signer, TrustPolicy, open_document
@@ -28,7 +28,6 @@ SCHEMA_VERSION = 3
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_POINTER_BYTES = 64 << 10
 MAX_TOKENS = 1 << 24
-MAX_CHUNK_TOKENS = 65536
 MAX_LEVELS = 64
 MAX_OBJECT_BYTES = 1 << 30  # one chunk at one level; far above any real one
 MAX_PROFILE_BYTES = 256 << 20

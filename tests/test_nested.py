@@ -287,6 +287,39 @@ def test_nested_objects_refuse_what_does_not_fit(profile, nested_object) -> None
         pack_sections(header, sections[:-1])
 
 
+def test_objects_hold_their_codec_s_tiers_of_sections_and_chunks_their_tokens(
+    profile, nested_object
+) -> None:
+    """A container whose every checksum is right but which holds more tiers of sections
+    than its codec codes (bytes no reader would decode: padding a publisher could add)
+    is refused, whole or read in part from a store, and so is a header of more tokens
+    than a chunk has (a decode into a new tensor would allocate them)."""
+    from kvcdn.codec import FIXED_LEVELS
+    from kvcdn.store import open_store
+
+    header, body = unpack(nested_object)
+    sections = [bytes(body.sections[i]) for i in range(len(body.sections))]
+    per_tier = header.shape[0] * header.shape[2]
+    padded = pack_sections(header, sections + sections[-per_tier:])
+    with pytest.raises(FormatError, match="7 tiers of sections"):
+        decode_chunk(padded, profile=profile)
+    store = open_store("memory://tiers-of-sections")
+    store.put("objects/padded.kvc", padded)
+    ref = object_ref("objects/padded.kvc", padded, tiers=2)
+    with pytest.raises(FormatError, match="7 tiers of sections"):
+        read_part(store, ref, None, name="padded")
+    kv = torch.randn(2, 2, 1, 8, 64)
+    fp16 = encode_chunk(FIXED_LEVELS["fp16"], kv, HASH)
+    h, b = unpack(fp16)
+    doubled = pack_sections(h, [bytes(b.sections[i]) for i in range(2)] * 2)
+    with pytest.raises(FormatError, match="2 tiers of sections"):
+        decode_chunk(doubled)
+    assert torch.equal(decode_chunk(fp16)[1].float(), kv.half().float())
+    long = dataclasses.replace(h, shape=(2, 2, 1, 65537, 64))
+    with pytest.raises(FormatError, match="more than 65536 tokens"):
+        unpack(pack_sections(long, [bytes(b.sections[i]) for i in range(2)]))
+
+
 def test_a_nested_publication_is_one_object_a_chunk_and_each_level_reads_its_tiers(
     model, sed_text, tmp_path
 ) -> None:

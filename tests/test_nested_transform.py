@@ -286,9 +286,32 @@ def test_objects_and_profiles_that_do_not_fit_are_refused(klt, channels_profile,
         with pytest.raises(FormatError, match="first position"):
             decode_chunk(bad, profile=klt)
     # a different (valid) start decodes, to other values: positions are part of the object
-    moved = pack_sections(dataclasses.replace(header, params={**header.params, "start": 0}),
+    moved = pack_sections(dataclasses.replace(header, params={**header.params, "start": 512}),
                           sections)  # fmt: skip
     assert not torch.equal(decode_chunk(moved, profile=klt)[1], decode_chunk(data, profile=klt)[1])
+    # ... but not where it would keep exact tokens that the sections do not hold (the
+    # document's first ones), nor the sections' exact tokens where it keeps none: each
+    # part of the object then keeps what the whole does
+    first = pack_sections(dataclasses.replace(header, params={**header.params, "start": 0}),
+                          sections)  # fmt: skip
+    with pytest.raises(FormatError, match="exact tokens"):
+        decode_chunk(first, profile=klt)
+    opening = encode_chunk(nested_level("default", klt), doc_kv[:, :, :, :256].contiguous(),
+                           HASH, profile=klt, start=0)  # fmt: skip
+    head, kept = unpack(opening)
+    late = pack_sections(dataclasses.replace(head, params={**head.params, "start": 256}),
+                         [bytes(kept.sections[i]) for i in range(len(kept.sections))])
+    with pytest.raises(FormatError, match="exact tokens"):
+        decode_chunk(late, profile=klt)
+    part = Part((0, 30), (1, 2))
+    with pytest.raises(FormatError, match="exact tokens"):
+        decode_into(late, TensorDest(torch.empty(part.shape(head.shape))), profile=klt,
+                    part=part)  # fmt: skip
+    # params beside the specified ones
+    extra = pack_sections(dataclasses.replace(header, params={**header.params, "note": 1}),
+                          sections)  # fmt: skip
+    with pytest.raises(FormatError, match="params"):
+        decode_chunk(extra, profile=klt)
 
 
 def test_profiles_with_a_transform_that_does_not_fit_are_refused(klt) -> None:

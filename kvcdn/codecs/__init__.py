@@ -94,6 +94,13 @@ class Codec(ABC):
         object holds several levels (the nested ladder); None: the object is the level."""
         return None
 
+    def object_tiers(self, header: ChunkHeader, name: str) -> int:
+        """How many tiers of sections a version-2 object of this codec with ``header``
+        holds: one, but for a codec whose object holds several levels. A container of
+        more is refused (:class:`FormatError`): its extra sections would be bytes no
+        reader decodes."""
+        return 1
+
     # ---- version-2 objects: one section per KV head and layer ----------------------
     # The defaults treat each section as a payload of its own, of shape [1, 2, 1, T, D]
     # (fp16 and int8 are); a codec whose sections share state (the ladder codec's

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from kvcdn.container import MAX_TIERS
 from kvcdn.errors import FormatError, InputError
 
 from . import Codec
@@ -57,6 +58,13 @@ class NestedCodec(Codec):
         if not isinstance(tiers, list) or level not in tiers:
             raise InputError(f"level {level} is not a tier of this nested ladder")
         return tiers.index(level) + 1
+
+    def object_tiers(self, header: ChunkHeader, name: str) -> int:
+        tiers = header.params.get("tiers")
+        if (not isinstance(tiers, list) or not 1 <= len(tiers) <= MAX_TIERS
+                or not all(isinstance(t, str) for t in tiers)):  # fmt: skip
+            raise FormatError(f"{name}: its header's tiers {tiers!r} are not a nested ladder's")
+        return len(tiers)
 
     # ---- version 1: not written, not read ----------------------------------------
     def encode(self, kv: torch.Tensor, params: dict[str, Any], profile: CodecProfile | None,
@@ -265,6 +273,9 @@ class NestedKltCodec(NestedCodec):
 
 #: A chunk's first position, at most (a transformed object's ``start``).
 MAX_START = 1 << 31
+#: The keys of a nested object's header params, exactly (``docs/format.md``).
+_PARAMS = frozenset({"profile", "tiers"})
+_KLT_PARAMS = _PARAMS | {"start"}
 
 
 def _spec(profile: CodecProfile | None, params: dict[str, Any], what: str,
@@ -301,6 +312,8 @@ def _streams(
     start = header.params.get("start") if transformed else 0
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < MAX_START:
         raise FormatError(f"{name}: its first position {start!r} is not one")
+    if set(header.params) != (_KLT_PARAMS if transformed else _PARAMS):
+        raise FormatError(f"{name}: its header's params are not {header.codec}'s")
     layers, two, heads, tokens, dim = header.shape
     lay = profile.layout
     if (layers, heads, dim) != (lay.layers, lay.kv_heads, lay.head_dim):
@@ -337,6 +350,13 @@ def _streams(
     sinks = int(kept[0])
     if sinks > tokens or np.any(kept[:per_tier] != sinks) or np.any(kept[per_tier:] != 0):
         raise FormatError(f"{name}: its sections disagree on the exact tokens they keep")
+    # S as format.md gives it: of a transformed object, from its first position, so that
+    # a part's sections (which may not hold the chunk's other heads) keep what the whole
+    # object's do; of another (its header has no position), at most the profile's
+    given = max(0, min(profile.sinks - start, tokens))
+    if (sinks != given) if transformed else (sinks > profile.sinks):
+        raise FormatError(f"{name}: it keeps {sinks} exact tokens, which its position does "
+                          "not give")  # fmt: skip
     if max(int(nk.max()), int(nv.max())) > (tokens - sinks) * dim:
         raise FormatError(f"{name}: a stream of {part} is longer than its symbols allow")
     body = head_size + 4 * kept * dim
