@@ -471,6 +471,13 @@ def _signing_keys(paths: tuple[Path, ...]) -> list[SigningKey]:
     "[env KVCDN_SIGN_KEY]"
 )
 @pointer_valid_for_option
+@click.option(
+    "--renew-expired",
+    is_flag=True,
+    help="Also renew pointers already past their expiry. Without it they are refused "
+    "(exit 6): a store replaying an old pointer looks the same, so check the versions "
+    "(kvcdn ls NAME) first.",
+)
 @store_option
 @endpoint_option
 @trust_option
@@ -480,6 +487,7 @@ def refresh(
     every: bool,
     sign_key_files: tuple[Path, ...],
     pointer_valid_for: str | None,
+    renew_expired: bool,
     store: str | None,
     endpoint_url: str | None,
     trust_file: Path | None,
@@ -493,7 +501,10 @@ def refresh(
     document. Publishing renews it; refresh renews it without publishing:
     each pointer is signed again with a new expiry (--pointer-valid-for from
     now), naming the version it named, which must still be stored and signed
-    by a trusted key. An expired pointer is renewed like any other.
+    by a trusted key. A pointer already past its expiry is renewed only with
+    --renew-expired: a store replaying an old pointer, and leaving newer
+    versions out of its listings, looks just like it, and a scheduled refresh
+    would otherwise sign the replay anew.
 
     A publish running meanwhile is never undone: the pointer is written as a
     publish writes it, so if a newer version appears it names that one.
@@ -529,7 +540,8 @@ def refresh(
     for name in chosen:
         try:
             result = do_refresh(name, store=target, sign_keys=sign_keys, trust=trust,
-                                pointer_valid_for=valid_for)  # fmt: skip
+                                pointer_valid_for=valid_for,
+                                renew_expired=renew_expired)  # fmt: skip
         except KvcdnError as exc:
             if len(chosen) == 1 and not every:
                 raise  # one document: one line and its exit code, as every command

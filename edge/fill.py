@@ -349,7 +349,8 @@ class Filler:
         then fetched again; served stale, with a warning, while the origin is down."""
         held = self.pointers.get(key)
         now = time.monotonic()
-        if held is not None and now - held[0] < self.pointer_ttl_s:
+        if (held is not None and now - held[0] < self.pointer_ttl_s
+                and not _expired_since(held[2], now - held[0])):  # fmt: skip
             self.metrics.hits += 1
             return Found(held[2].etag, len(held[1]), data=held[1])
         try:
@@ -510,6 +511,8 @@ class Filler:
                         _verify_path, entry.path, key, info, self.trust
                     )
                     data, verified, _ = await self._newer_of(key, info, data, verified)
+                    if _expired_since(verified, age):  # fetched again, below
+                        raise VerifyError(f"{key} passed its signed expiry since it was fetched")
                     self.pointers.put(key, (time.monotonic() - age, data, verified))
                     self.metrics.worker_coalesced += 1
                     return Filled(verified, len(data), data=data)
@@ -645,6 +648,17 @@ class Filler:
         if isinstance(last, OriginFailed) and last.timeout:
             raise FetchError(504, f"origin unavailable (timed out) fetching {key}: {last}")
         raise FetchError(502, f"origin unavailable: cannot fetch {key}: {last}")
+
+
+def _expired_since(verified: Verified, age_s: float) -> bool:
+    """Whether a pointer fetched ``age_s`` ago has passed its signed expiry since: it is
+    then fetched again rather than reused for the rest of ``--pointer-ttl`` (and if the
+    origin is down, not served stale either). One the origin served already expired is
+    its authority's answer, passed on and reused like any other (readers refuse it)."""
+    if verified.expires is None:
+        return False
+    now = time.time()
+    return now - age_s < verified.expires <= now
 
 
 def _verify_path(

@@ -425,12 +425,27 @@ def find_by_prefix(
 
 def _indexed(store: Reader, key: str, what: str, trust: TrustPolicy | None) -> Manifest | None:
     """The manifest an index entry names (None without the entry); the caller checks
-    that it is what the entry was found by."""
+    that it is what the entry was found by.
+
+    An entry is unsigned (anyone who can write to the store can change it), so with
+    ``trust`` the version it names is held to what a latest version is held to: never
+    older than one this reader has seen (:class:`~kvcdn.errors.RollbackError`), and
+    with ``trust.require_expiry`` only while the document's signed latest pointer is
+    current (:func:`check_fresh`): an entry rewritten to name an old version, beside a
+    replayed expired pointer, is refused as the pointer alone would be."""
     try:
         data = store.get(key, max_bytes=MAX_POINTER_BYTES)
     except NotFound:
         return None
     pointer = open_pointer(data, what=what)
+    if trust is not None:
+        trust.check_not_older(pointer.name, pointer.version, f"the {what} in {store.url}")
+        if trust.require_expiry and read_pointer(store, pointer.name, trust, fresh=True) is None:
+            raise FreshnessError(
+                f"the {what} names {pointer.name}@{pointer.version}, but {pointer.name} has no "
+                f"latest pointer in {store.url}, and this reader takes documents only while "
+                "their signed pointer is current (require_expiry)"
+            )
     try:
         return read_manifest(store, pointer.name, pointer.version, trust=trust)
     except NotFound:  # the version was removed (kvcdn rm, gc --keep): no entry

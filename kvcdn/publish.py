@@ -52,6 +52,7 @@ from .errors import (
     InputError,
     KvcdnError,
     NotFound,
+    PointerExpired,
     StoreError,
     TrustError,
 )
@@ -829,16 +830,23 @@ def refresh(
     sign_keys: Sequence[SigningKey],
     trust: TrustPolicy | None = None,
     pointer_valid_for: float = POINTER_VALID_FOR_S,
+    renew_expired: bool = False,
 ) -> RefreshResult:
     """Sign ``name``'s latest pointer again with a new expiry, ``pointer_valid_for``
     seconds from now, naming the version it names (``kvcdn refresh``).
 
     Only a pointer one of ``sign_keys`` (or a key of ``trust``) signed is
-    renewed, expired or not, and only when the version it names is still stored
-    and verifies: a signature renews the publisher's word, so it is never put on
-    what the store alone says. A publish that runs meanwhile is never undone:
-    the pointer is written as a publish writes it (:func:`_advance_pointer`), so
-    when a newer version appears it names that one.
+    renewed, and only when the version it names is still stored and verifies: a
+    signature renews the publisher's word, so it is never put on what the store
+    alone says. A pointer already past its expiry (give or take the trust's
+    clock skew) is renewed only with ``renew_expired``
+    (:class:`~kvcdn.errors.PointerExpired` otherwise): a store replaying an old
+    pointer, and leaving newer versions out of its listings, looks just like
+    that, and a scheduled refresh would put a new expiry on the replay.
+
+    A publish that runs meanwhile is never undone: the pointer is written as a
+    publish writes it (:func:`_advance_pointer`), so when a newer version
+    appears it names that one.
     """
     valid_for = check_valid_for(pointer_valid_for)
     name = check_name(name)
@@ -865,6 +873,16 @@ def refresh(
         raise NotFound(
             f"'{name}' has no latest pointer in {store.url} to refresh (versions: "
             f"{', '.join(map(str, listed))}); publish it again with --sign-key to write one"
+        )
+    if not renew_expired and current.expires is not None and (
+        time.time() > current.expires + trust.clock_skew_s
+    ):
+        raise PointerExpired(
+            f"{name}'s latest pointer (naming {name}@{current.version}) expired at "
+            f"{format_expiry(current.expires)}: a store replaying an old pointer (and "
+            "hiding newer versions) looks the same, so refresh does not renew it on its "
+            f"own. Check the versions (`kvcdn ls {name} --store ...`), then renew it with "
+            "--renew-expired, or publish again"
         )
     # The version must still be there, signed by a trusted key: never vouch for a pointer
     # to a version that was removed (kvcdn rm) or altered since.

@@ -19,9 +19,15 @@ import fsspec
 import pytest
 
 from kvcdn import sdk
-from kvcdn.catalog import read_manifest
-from kvcdn.errors import FormatError, FreshnessError, IntegrityError, PointerExpired
-from kvcdn.keys import latest_key, manifest_key
+from kvcdn.catalog import find_by_prefix, read_manifest
+from kvcdn.errors import (
+    FormatError,
+    FreshnessError,
+    IntegrityError,
+    PointerExpired,
+    RollbackError,
+)
+from kvcdn.keys import latest_key, manifest_key, prefix_index_key
 from kvcdn.manifest import format_expiry, open_pointer, parse_expiry, pointer_bytes
 from kvcdn.publish import publish, refresh
 from kvcdn.sdk.edges import EdgeStore
@@ -182,8 +188,15 @@ def test_an_expired_pointer_is_refused_with_exit_6_and_refresh_renews_it(signed,
     with pytest.raises(PointerExpired, match="expired at"):
         read_manifest(open_store(str(root)), "guide", trust=TrustPolicy([key.public]))
 
+    # a refresh does not renew an expired pointer on its own: a store replaying an old
+    # one (and hiding the newer versions) looks the same
+    held = kvcdn("refresh", "guide", "--store", str(root), "--sign-key", str(key_file),
+                 home=tmp_path)  # fmt: skip
+    assert held.returncode == 6, held.stderr
+    assert "--renew-expired" in one_error_line(held)
+    assert pointer_of(root)["expires"] == format_expiry(expired)  # untouched
     renewed = kvcdn("refresh", "guide", "--store", str(root), "--sign-key", str(key_file),
-                    "--json", home=tmp_path)  # fmt: skip
+                    "--renew-expired", "--json", home=tmp_path)  # fmt: skip
     assert renewed.returncode == 0, renewed.stderr
     report = parsed("refresh", renewed.stdout)
     assert report["failed"] == []
@@ -393,7 +406,66 @@ def test_publish_takes_a_window_and_refuses_a_bad_one(signed, short_text, tmp_pa
     assert started + 5400 <= expires <= time.time() + 5400 + 1
 
 
+def test_an_index_entry_is_held_to_what_a_latest_pointer_is(signed, model, sed_text):
+    """The prefix index (how a serving engine finds the document a prompt begins with)
+    is unsigned: an entry rewritten to name an old version is refused by a reader that
+    has seen a newer one, and under require_expiry unless the document's signed pointer
+    is current. Before, the entry's version was read as an explicit one, past both."""
+    root, key, _, _ = signed
+    publish(text=sed_text[:2000] + "\nA second edition.", name="guide", model=model,
+            store=str(root), levels=LEVEL, sign_keys=[key])  # fmt: skip
+    store = open_store(str(root))
+    trust = TrustPolicy([key.public])
+    latest = read_manifest(store, "guide", trust=trust)
+    fingerprint, first = latest.model_fingerprint, latest.chunks[0].hash
+    assert latest.version == 2 and find_by_prefix(store, fingerprint, first, trust=trust) == latest
+    (root / prefix_index_key(fingerprint, first)).write_bytes(pointer_bytes("guide", 1))
+    with pytest.raises(RollbackError, match="already seen guide@2"):
+        find_by_prefix(store, fingerprint, first, trust=trust)
+    # a reader that has seen no version takes the signed version the entry names (its
+    # tokens are the prompt's), unless it requires a current pointer and the store
+    # replays an expired one beside the entry, or hides the pointer
+    assert find_by_prefix(store, fingerprint, first, trust=TrustPolicy([key.public])).version == 1
+    strict = TrustPolicy([key.public], require_expiry=True)
+    assert find_by_prefix(store, fingerprint, first, trust=strict).version == 1  # current
+    write_pointer(root, key, 1, math.floor(time.time()) - 3600)
+    with pytest.raises(PointerExpired, match="guide's latest pointer"):
+        find_by_prefix(store, fingerprint, first, trust=strict)
+    (root / latest_key("guide")).unlink()
+    with pytest.raises(FreshnessError, match="guide has no latest pointer"):
+        find_by_prefix(store, fingerprint, first, trust=strict)
+    assert find_by_prefix(store, fingerprint, first).version == 1  # no trust: followed
+
+
 # ---- edges ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_trust", [True, False], ids=["trust", "no-trust"])
+def test_an_edge_does_not_reuse_a_pointer_past_its_expiry(signed, tmp_path, with_trust):
+    """A pointer that expires while an edge holds it is not reused for the rest of
+    ``--pointer-ttl``: it is fetched again, and with the origin down refused (before,
+    it was served as a plain 200 for up to a whole --pointer-ttl past its expiry)."""
+    root, key, trust_file, _ = signed
+    expires = math.floor(time.time()) + 4
+    write_pointer(root, key, 1, expires)
+    extra = ("--pointer-ttl", "60", *(("--trust", str(trust_file)) if with_trust else ()))
+    node = EdgeProcess(str(root), tmp_path / "cache", None, *extra).start()
+    gone = root.with_name("gone")
+    try:
+        url = f"{node.url}/{latest_key('guide')}"
+        status, headers, body = get(url)
+        assert status == 200 and payload(body)["expires"] == format_expiry(expires)
+        status, _, _ = get(url)
+        assert status == 200 and node.metrics()["kvcdn_edge_hits_total"] >= 1  # reused
+        root.rename(gone)  # the origin goes down
+        time.sleep(max(0.0, expires - time.time()) + 0.5)
+        status, headers, body = get(url)
+        assert status == 502 and b"expired at " + format_expiry(expires).encode() in body
+        assert node.metrics()["kvcdn_edge_stale_expired_refused_total"] == 1
+    finally:
+        node.kill()
+        if gone.exists():
+            gone.rename(root)
 
 
 @pytest.mark.parametrize("with_trust", [True, False], ids=["trust", "no-trust"])
