@@ -134,6 +134,11 @@ def check_edges(edges: Sequence[str]) -> list[str]:
         url = edge.strip().rstrip("/")
         if not _EDGE_URL.match(url):
             raise InputError(f"{edge!r} is not an edge URL (http://host:port)")
+        if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+            # never echoed: what is before the @ is likely a password, and an edge URL is
+            # logged and exported as a metrics label
+            raise InputError("an edge URL carries no credentials (user:password@): edges "
+                             "take a bearer token (edge_token, --edge-token)")  # fmt: skip
         if url not in out:
             out.append(url)
     if not out:

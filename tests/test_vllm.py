@@ -47,6 +47,7 @@ ACME = "acme's salt"  # a tenant of `vllm serve`'s, named acme on /metrics
 TENANT_A = "tenant-a salt"  # configured as the salt itself
 TENANT_B = "tenant-b salt"  # configured as sha256:HEX of it
 BEHIND_A_HANGING_EDGE = "hanging-edge salt"  # a tenant that reads through an edge that hangs
+HANGING_STORE = "hanging-store salt"  # a tenant whose S3 endpoint accepts and never answers
 #: How vLLM prefixes its own log lines: kvcdn's lines inside vLLM carry the same fields.
 VLLM_LINE = re.compile(r"^\(\S+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d "
                        r"\[[\w.]+:\d+\] ")
@@ -197,13 +198,16 @@ def engine(tmp_path_factory, store_dir, model, hanging_edge):
     from kvcdn.models import model_folder
 
     # synchronous loads in layer order (4 groups of the model's 30 layers), beside the
-    # forward pass; INFO: kvcdn's line for each layer-ordered load is checked. Three
+    # forward pass; INFO: kvcdn's line for each layer-ordered load is checked. Four
     # tenants: one reads an empty store, one (named by its salt's digest) the same store,
-    # one the same store through an edge that never answers.
+    # one the same store through an edge that never answers, one an S3 endpoint that
+    # never answers (the hanging edge's port: its reader's open hangs too).
     empty = tmp_path_factory.mktemp("tenant-a-store")
     tenants = {TENANT_A: {"store": str(empty)},
                f"sha256:{hashlib.sha256(TENANT_B.encode()).hexdigest()}": {"store": str(store_dir)},
-               BEHIND_A_HANGING_EDGE: {"store": str(store_dir), "edges": [hanging_edge]}}
+               BEHIND_A_HANGING_EDGE: {"store": str(store_dir), "edges": [hanging_edge]},
+               HANGING_STORE: {"store": "s3://kvcdn-hanging/kv", "endpoint_url": hanging_edge,
+                               "name": "hanging"}}
     extra = {"store": str(store_dir), "model": "smollm2-135m", "lookup_ttl_s": 0,
              "layer_groups": 4, "tenants": tenants}  # fmt: skip
     with _engine(tmp_path_factory.mktemp("vllm-engine"), model_folder("smollm2-135m"),
@@ -292,6 +296,23 @@ def test_cache_salts_read_only_their_tenants_store(engine, model, sed_prompt, ba
     assert out["token_ids"] == baseline["token_ids"]
     log = engine.log.read_text()
     assert TENANT_B not in log and "nobody's" not in log
+
+
+def test_a_tenant_whose_store_hangs_holds_up_no_other(engine, model, sed_prompt, baseline):
+    """A tenant's S3 endpoint that accepts connections and never answers: its request
+    waits for its lookup at most ``lookup_timeout_s`` and is computed by vLLM, and an
+    unsalted request right after it loads from its own store. Before, one tenant's late
+    lookup paused every tenant's lookups for 10 s, and its reader's open (from the
+    engine's start) held the one lock every tenant's reader was opened under."""
+    claimed = (_published_tokens(model) - 1) // 256 * 256
+    out = engine.ask(sed_prompt, cache_salt=HANGING_STORE, kvcdn_quality="fp16")
+    assert out["num_cached_tokens"] == 0 and out["kv_transfer_params"] is None
+    assert out["token_ids"] == baseline["token_ids"]
+    log = engine.log.read_text()
+    assert "s3://kvcdn-hanging/kv (tenant hanging) did not answer a document lookup" in log
+    after = engine.ask(sed_prompt, kvcdn_quality="fp16")
+    assert after["kv_transfer_params"]["kvcdn"]["loaded_tokens"] == claimed
+    assert after["token_ids"] == baseline["token_ids"]
 
 
 def _kl(p_logprobs: dict[str, float], q_logprobs: dict[str, float]) -> float:
@@ -682,12 +703,25 @@ def _metrics_count_the_loads(base: str, manifest, shared: int, edges: list[str])
         ({"tenants": {"salt": {"stor": "/tmp/kv"}}}, r"tenant #1: unknown keys \['stor'\]"),
         ({"tenants": {"salt": {"edges": []}}}, "tenant #1: store must be"),
         ({"tenants": {"a": {"store": "/a"}, "b": {"store": "/b", "trust": 5}}},
-         "tenant #2: trust must be a string"),
+         "tenant #2: trust must be a non-empty string"),
         ({"tenants": {"a": {"store": "/a", "name": "acme corp"}}}, "tenant #1: name must be"),
         ({"tenants": {"a": {"store": "/a", "name": "default"}}},
          "tenant #1: the name 'default' is taken"),
         ({"tenants": {"a": {"store": "/a", "name": "acme"}, "b": {"store": "/b", "name": "acme"}}},
          "tenant #2: the name 'acme' is taken"),
+        # an empty value is a mistake (an unset template variable), never "no trust file"
+        ({"store": "/a", "trust": ""}, "trust must be a non-empty string"),
+        ({"tenants": {"a": {"store": "/a", "trust": ""}}}, "tenant #1: trust must be a non-empty"),
+        ({"edges": [""]}, "edges must be a list of edge URLs"),
+        ({"edges": ["edge-1:8080"]}, "edges: 'edge-1:8080' is not an edge URL"),
+        ({"edges": ["http://ops:hunter2@edge-1:8080"]}, "carries no credentials"),
+        ({"tenants": {"a": {"store": "/a", "name": "acme\n"}}}, "tenant #1: name must be"),
+        ({"tenants": {"sha256:9F86D0": {"store": "/a"}}}, "must be 'sha256:' and the 64"),
+        ({"tenants": {"SHA256: " + "0" * 64: {"store": "/a"}}}, "must be 'sha256:' and the 64"),
+        ({"store": "/a", "require_expiry": True}, "require_expiry needs a trust file"),
+        ({"store": "/a", "trust": "/t.pub", "require_expiry": 1}, "require_expiry must be true"),
+        ({"tenants": {"a": {"store": "/a", "require_expiry": True}}},
+         "tenant #1: require_expiry needs a trust file"),
     ],
 )
 def test_connector_configuration_mistakes_are_named(extra, problem):
@@ -696,10 +730,27 @@ def test_connector_configuration_mistakes_are_named(extra, problem):
     from kvcdn.errors import KvcdnError
     from kvcdn.sdk.vllm import ConnectorConfig
 
-    with pytest.raises(KvcdnError, match=problem):
+    with pytest.raises(KvcdnError, match=problem) as raised:
         ConnectorConfig.parse(extra)
+    assert "hunter2" not in str(raised.value)
     ok = ConnectorConfig.parse({"store": "/tmp/kv", "deadline_s": 0.5, "lookup_ttl_s": 0})
     assert ok.deadline_s == 0.5 and ok.quality == "auto"
+
+
+def test_any_cache_salt_is_some_tenant_s_or_none_s():
+    """vLLM's Python API passes a salt as it is given, lone surrogates included (its
+    OpenAI server refuses them): such a salt is hashed as its code points are, so it
+    maps to a tenant or to none and never raises into vLLM's scheduler."""
+    from kvcdn.sdk.vllm.config import tenant_key, tenant_sources
+
+    odd = "\ud800 salt"
+    key = tenant_key(odd)
+    assert key == hashlib.sha256(odd.encode("utf-8", "surrogatepass")).hexdigest()
+    assert tenant_key("\ud800 salt") == key != tenant_key("\ud801 salt")
+    assert set(tenant_sources({odd: {"store": "/a"}})) == {key}
+    # a salt and the digest of it name the same tenant; any other case of the digest fails
+    plain = tenant_key("acme")
+    assert set(tenant_sources({f"sha256:{plain}": {"store": "/a"}})) == {plain}
 
 
 def test_a_load_that_falls_short_reports_only_its_own_blocks():

@@ -18,6 +18,7 @@ from kvcdn.signing import TrustPolicy
 
 from .. import checks
 from ..bounded import BoundedReader
+from ..edges import check_edges
 from ..loader import AUTO, open_reader
 from ..stats import ReaderStats, merge_drained
 
@@ -48,6 +49,9 @@ class ConnectorConfig:
     edges: list[str] | None = None  # edge caches to read objects through, in front of store
     edge_token: str | None = None
     trust: str | None = None  # a trust file: manifests must be signed by its keys
+    #: With ``trust``: a document is found only while its signed latest pointer is
+    #: current (docs/trust.md, Freshness), so a store cannot replay a withdrawn one.
+    require_expiry: bool = False
     model: str | None = None  # the kvcdn model name (default: the model vLLM serves)
     quality: str = AUTO  # a level, or auto
     deadline_s: float | None = None  # a load not in by then is left to vLLM's prefill
@@ -62,8 +66,8 @@ class ConnectorConfig:
     layer_groups: int = 1
     #: vLLM's ``cache_salt`` -> what a salted request reads: ``{"sha256:HEX" (of the salt;
     #: or the salt itself): {"store": ..., "endpoint_url", "edges", "edge_token",
-    #: "trust", "name"}}``. A salted request with no entry gets nothing from kvcdn; unsalted
-    #: requests read ``store`` (docs/vllm.md, "Tenants").
+    #: "trust", "require_expiry", "name"}}``. A salted request with no entry gets nothing
+    #: from kvcdn; unsalted requests read ``store`` (docs/vllm.md, "Tenants").
     tenants: dict[str, dict[str, Any]] | None = None
 
     @classmethod
@@ -75,16 +79,10 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
             )
         config = cls(**extra)
-        checks.optional_string(config.store, "store")
-        checks.optional_string(config.endpoint_url, "endpoint_url")
-        checks.optional_string(config.edge_token, "edge_token")
-        checks.optional_string(config.trust, "trust")
-        checks.optional_string(config.model, "model")
-        checks.optional_string(config.capture_dir, "capture_dir")
-        if config.edges is not None and (
-            not isinstance(config.edges, list) or not all(isinstance(e, str) for e in config.edges)
-        ):
-            raise KvcdnError("edges must be a list of edge URLs")
+        for key in ("store", "endpoint_url", "edge_token", "trust", "model", "capture_dir"):
+            _optional_text(getattr(config, key), key, "")
+        _edge_list(config.edges, "")
+        _freshness(config.require_expiry, config.trust, "")
         if not isinstance(config.quality, str) or not config.quality:
             raise KvcdnError("quality must be a level name or 'auto'")
         if config.load_mode not in LOAD_MODES:
@@ -110,6 +108,7 @@ class Source:
     edges: list[str] | None = None
     edge_token: str | None = None
     trust: str | None = None
+    require_expiry: bool = False
     #: The tenant's ``tenant`` label on vLLM's /metrics (default: ``sha256:`` and the
     #: first 12 hex digits of its salt's digest).
     name: str | None = None
@@ -117,16 +116,45 @@ class Source:
 
 #: The ``tenant`` label of unsalted requests, and of salted ones no tenant has.
 DEFAULT_TENANT, UNMAPPED_TENANT = "default", "unmapped"
-_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-_SALT_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: no "name\n"
+_SALT_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+_DIGEST_PREFIX = "sha256:"  # a key starting so (any case) must be a digest
 
 
 def tenant_key(salt: str) -> str:
     """What a tenant is known by: the sha256 of its salt (a salt is a secret; its
-    digest can be logged, sent to workers and written in a configuration)."""
-    return hashlib.sha256(salt.encode()).hexdigest()
+    digest can be logged, sent to workers and written in a configuration). A salt
+    that is not valid UTF-8 (lone surrogates, which Python's API lets through) is
+    hashed as its code points are, so it is some tenant's or none's, never an error."""
+    return hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _optional_text(value: Any, name: str, where: str) -> None:
+    """``value`` is None or a non-empty string: an empty one is a mistake (an unset
+    template variable), and for ``trust`` it would silently mean no trust at all."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise KvcdnError(f"{where}{name} must be a non-empty string (or left out)")
+
+
+def _freshness(require_expiry: Any, trust: str | None, where: str) -> None:
+    if not isinstance(require_expiry, bool):
+        raise KvcdnError(f"{where}require_expiry must be true or false")
+    if require_expiry and trust is None:
+        raise KvcdnError(f"{where}require_expiry needs a trust file (trust): only signed "
+                         "pointers carry an expiry")  # fmt: skip
+
+
+def _edge_list(edges: Any, where: str) -> None:
+    """``edges`` is None or a list of edge URLs, checked as the reader will check them,
+    so that a mistake is named at start, not at the first load."""
+    if edges is None:
+        return
+    if not isinstance(edges, list) or not all(isinstance(e, str) and e for e in edges):
+        raise KvcdnError(f"{where}edges must be a list of edge URLs")
+    try:
+        check_edges(edges)
+    except KvcdnError as exc:
+        raise KvcdnError(f"{where}edges: {exc}") from None
 
 
 def tenant_sources(tenants: Any) -> dict[str, Source]:
@@ -141,7 +169,10 @@ def tenant_sources(tenants: Any) -> dict[str, Source]:
         where = f"tenant #{n + 1}"  # never the salt itself: it is a secret
         if not isinstance(salt, str) or not salt:
             raise KvcdnError(f"{where}: a cache salt must be a non-empty string")
-        m = _SALT_DIGEST.match(salt)
+        m = _SALT_DIGEST.fullmatch(salt)
+        if m is None and salt[: len(_DIGEST_PREFIX)].lower() == _DIGEST_PREFIX:
+            raise KvcdnError(f"{where}: a key starting with 'sha256:' must be 'sha256:' and "
+                             "the 64 lowercase hex digits of the salt's digest")  # fmt: skip
         key = m.group(1) if m else tenant_key(salt)
         if not isinstance(entry, dict):
             raise KvcdnError(f"{where}: must be an object with a store")
@@ -152,18 +183,16 @@ def tenant_sources(tenants: Any) -> dict[str, Source]:
         if not isinstance(source.store, str) or not source.store:
             raise KvcdnError(f"{where}: store must be a store URL or folder")
         for name in ("endpoint_url", "edge_token", "trust", "name"):
-            if getattr(source, name) is not None and not isinstance(getattr(source, name), str):
-                raise KvcdnError(f"{where}: {name} must be a string")
+            _optional_text(getattr(source, name), name, f"{where}: ")
         if source.name is not None:
-            if not _TENANT_NAME.match(source.name):
+            if not _TENANT_NAME.fullmatch(source.name):
                 raise KvcdnError(f"{where}: name must be 1 to 64 letters, digits, '_', '.' "
                                  "or '-', starting with a letter or digit")  # fmt: skip
             if source.name in (DEFAULT_TENANT, UNMAPPED_TENANT) or source.name in names:
                 raise KvcdnError(f"{where}: the name {source.name!r} is taken")
             names.add(source.name)
-        if source.edges is not None and (not isinstance(source.edges, list)
-                                         or not all(isinstance(e, str) for e in source.edges)):
-            raise KvcdnError(f"{where}: edges must be a list of edge URLs")  # fmt: skip
+        _edge_list(source.edges, f"{where}: ")
+        _freshness(source.require_expiry, source.trust, f"{where}: ")
         if key in out:
             raise KvcdnError(f"{where}: the same salt as another tenant")
         out[key] = source
@@ -199,16 +228,22 @@ class ConnectorSetup:
         self._sources: dict[str, Source] = {}
         self._trust: dict[str, TrustPolicy | None] = {}
         self._readers: dict[str, BoundedReader] = {}
-        self._reader_lock = threading.Lock()
+        # one lock a tenant: opening one tenant's reader (a store that hangs) must not
+        # hold up another's lookups and loads
+        self._reader_locks: dict[str, threading.Lock] = {}
         try:
             self.config = ConnectorConfig.parse(dict(transfer.kv_connector_extra_config or {}))
             self.identity = model_identity(self.config.model or vllm_config.model_config.model)
             c = self.config
             # unsalted requests read the main store (None: $KVCDN_STORE)
-            self._sources[""] = Source(c.store, c.endpoint_url, c.edges, c.edge_token, c.trust)
+            self._sources[""] = Source(c.store, c.endpoint_url, c.edges, c.edge_token, c.trust,
+                                       c.require_expiry)  # fmt: skip
             self._sources.update(tenant_sources(c.tenants))
+            self._reader_locks = {key: threading.Lock() for key in self._sources}
             for key, source in self._sources.items():
-                self._trust[key] = TrustPolicy.from_file(source.trust) if source.trust else None
+                self._trust[key] = (TrustPolicy.from_file(source.trust,
+                                                          require_expiry=source.require_expiry)
+                                    if source.trust else None)  # fmt: skip
             if self.config.chunk_tokens % self.block_size:
                 raise KvcdnError(
                     f"vLLM's block size {self.block_size} does not divide kvcdn's chunk size "
@@ -275,17 +310,23 @@ class ConnectorSetup:
         """The unsalted requests' trust policy."""
         return self._trust.get("")
 
+    def store_of(self, tenant: str) -> str | None:
+        """The store ``tenant`` reads (None: ``$KVCDN_STORE``, or no such tenant)."""
+        source = self._sources.get(tenant)
+        return source.store if source is not None else None
+
     def trust_of(self, tenant: str) -> TrustPolicy | None:
         return self._trust.get(tenant)
 
     def reader(self, tenant: str = "") -> BoundedReader:
         """``tenant``'s reader (:meth:`tenant_of`), opened on first use."""
-        with self._reader_lock:
+        lock = self._reader_locks.get(tenant)
+        if lock is None:
+            raise KvcdnError("no store is configured for these requests")
+        with lock:
             reader = self._readers.get(tenant)
             if reader is None:
-                s = self._sources.get(tenant)
-                if s is None:
-                    raise KvcdnError("no store is configured for these requests")
+                s = self._sources[tenant]
                 reader = self._readers[tenant] = open_reader(
                     s.store, endpoint_url=s.endpoint_url, edges=s.edges,
                     edge_token=s.edge_token, trust=self._trust[tenant],
@@ -293,14 +334,16 @@ class ConnectorSetup:
             return reader
 
     def open_reader_soon(self) -> None:
-        """Open the readers in a daemon thread: not on a request's clock (an exit need not
-        wait for it; the first load meets an error there, and says so)."""
+        """Open the readers in daemon threads, one a tenant: not on a request's clock (an
+        exit need not wait for them; the first load meets an error there, and says so),
+        and a tenant's store that hangs holds up only its own."""
 
-        def run() -> None:
-            for tenant, source in self._sources.items():
-                try:
-                    self.reader(tenant)
-                except Exception as exc:
-                    log.warning("kvcdn: cannot open %s yet: %s", source.store, exc)
+        def run(tenant: str, source: Source) -> None:
+            try:
+                self.reader(tenant)
+            except Exception as exc:
+                log.warning("kvcdn: cannot open %s yet: %s", source.store, exc)
 
-        threading.Thread(target=run, name="kvcdn-open", daemon=True).start()
+        for tenant, source in self._sources.items():  # a thread each: one may hang
+            threading.Thread(target=run, args=(tenant, source), name="kvcdn-open",
+                             daemon=True).start()  # fmt: skip

@@ -125,7 +125,8 @@ class KvcdnScheduler:
         self._outcomes: dict[str, dict[str, Any]] = {}  # what each load did
         self._captures: dict[str, _Capture] = {}
         self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvcdn-lookup")
-        self._lookups_paused_until = 0.0
+        # by tenant: a store that does not answer pauses its own tenant's lookups only
+        self._lookups_paused_until: dict[str, float] = {}
         self._seconds_per_token: float | None = None  # vLLM's prefill, as workers time it
         if setup.active and setup.loads_enabled:  # not on a lookup's clock
             setup.open_reader_soon()
@@ -140,7 +141,10 @@ class KvcdnScheduler:
             return self._matched(request, num_computed_tokens)
         except Exception as exc:
             log.warning("kvcdn: request %s computed by vLLM: %s", request.request_id, exc)
-            tenant = self.setup.tenant_of(getattr(request, "cache_salt", None))
+            try:
+                tenant = self.setup.tenant_of(getattr(request, "cache_salt", None))
+            except Exception:  # whatever the request holds, this answers
+                tenant = None
             self.setup.stats_of(tenant).lookup("failed", "error")
             return 0, False
 
@@ -199,8 +203,9 @@ class KvcdnScheduler:
         now = time.monotonic()
         stats = self.setup.stats_of(tenant)
         waited = self._asked.get(req_id)
+        paused_until = self._lookups_paused_until.get(tenant, 0.0)
         if waited is None:
-            if now < self._lookups_paused_until:
+            if now < paused_until:
                 stats.lookup("failed", "late")
                 return None  # the store did not answer lately: no request waits for it
             lookup = self._lookup_of(tenant, chain_hash(fingerprint, "", first_chunk), now)
@@ -211,12 +216,13 @@ class KvcdnScheduler:
                 return None
             self._asked.pop(req_id, None)
             stats.lookup("failed", "late")
-            if now >= self._lookups_paused_until:
-                log.warning("kvcdn: %s did not answer a document lookup in %g s; requests are "
-                            "computed by vLLM without waiting for it for %g s",
-                            self.config.store or "the store", self.config.lookup_timeout_s,
+            if now >= paused_until:
+                log.warning("kvcdn: %s (tenant %s) did not answer a document lookup in %g s; "
+                            "its requests are computed by vLLM without waiting for it for %g s",
+                            self.setup.store_of(tenant) or "the store",
+                            self.setup.tenant_label(tenant), self.config.lookup_timeout_s,
                             LOOKUP_PAUSE_S)  # fmt: skip
-            self._lookups_paused_until = now + LOOKUP_PAUSE_S
+            self._lookups_paused_until[tenant] = now + LOOKUP_PAUSE_S
             return None
         self._asked.pop(req_id, None)
         if lookup.outcome[0] != "hit":  # a hit is counted once the request is claimed
