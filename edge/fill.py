@@ -110,6 +110,7 @@ class Found:
         stale: bool = False,
         age_s: float = 0.0,
         sent: Callable[[], None] | None = None,
+        expires: int | None = None,
     ) -> None:
         self.etag = etag
         self.size = size
@@ -118,6 +119,7 @@ class Found:
         self.stale = stale  # a revalidated object served while the origin is down
         self.age_s = age_s
         self.sent = sent
+        self.expires = expires  # a pointer's signed expiry: no cache below keeps it longer
 
     def take_file(self) -> BinaryIO:
         assert self.file is not None
@@ -159,13 +161,14 @@ class Filled:
 
     def found(self) -> Found:
         """What one waiter sends, with its own handle on a spooled (or cached) file."""
+        etag, expires = self.verified.etag, self.verified.expires
         if self.file is not None:
             dup = os.fdopen(os.dup(self.file.fileno()), "rb")
-            return Found(self.verified.etag, self.size, file=dup)
+            return Found(etag, self.size, file=dup, expires=expires)
         if self.spool is None:
-            return Found(self.verified.etag, self.size, data=self.data)
+            return Found(etag, self.size, data=self.data, expires=expires)
         file, data, sent = self.spool.source()
-        return Found(self.verified.etag, self.size, data=data, file=file, sent=sent)
+        return Found(etag, self.size, data=data, file=file, sent=sent, expires=expires)
 
     def close(self) -> None:
         if self.spool is not None:
@@ -352,7 +355,7 @@ class Filler:
         if (held is not None and now - held[0] < self.pointer_ttl_s
                 and not _expired_since(held[2], now - held[0])):  # fmt: skip
             self.metrics.hits += 1
-            return Found(held[2].etag, len(held[1]), data=held[1])
+            return Found(held[2].etag, len(held[1]), data=held[1], expires=held[2].expires)
         try:
             return await self._miss(key, info)
         except FetchError as exc:
@@ -387,7 +390,8 @@ class Filler:
                 f"{failure}; the copy of {key} this edge holds expired at {expired} "
                 "(its publisher's signed expiry), so it is not served stale",
             )
-        return Found(verified.etag, len(data), data=data, stale=True, age_s=age)
+        return Found(verified.etag, len(data), data=data, stale=True, age_s=age,
+                     expires=verified.expires)  # fmt: skip
 
     async def _held(self, key: str, info: KeyInfo) -> tuple[float, bytes, Verified] | None:
         """The copy of a revalidated key this edge holds, and its age in seconds: in

@@ -341,7 +341,7 @@ class Edge:
                     exc.status, ERROR_CODES.get(exc.status, "InternalError"), str(exc), key
                 )
             return web.Response(status=exc.status, text=f"{exc}\n")
-        control = cache_control(info, self.trust, self.fill.pointer_ttl_s)
+        control = cache_control(info, self.trust, self.fill.pointer_ttl_s, found.expires)
         try:
             return answer(request, key, found, cache_control=control, s3=s3, metrics=self.metrics,
                           shaper=self.shaper)  # fmt: skip

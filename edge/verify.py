@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -92,9 +94,15 @@ def revalidated(info: KeyInfo, trust: TrustPolicy | None) -> bool:
     return info.mutable or (info.kind == "manifest" and trust is None)
 
 
-def cache_control(info: KeyInfo, trust: TrustPolicy | None, pointer_ttl_s: int) -> str:
+def cache_control(info: KeyInfo, trust: TrustPolicy | None, pointer_ttl_s: int,
+                  expires: int | None = None) -> str:  # fmt: skip
+    """``Cache-Control`` of an answer for ``info``; ``expires``: a pointer's signed
+    expiry (Unix seconds), past which no cache below this edge may keep it either."""
     if revalidated(info, trust):
-        return REVALIDATE.format(ttl=pointer_ttl_s)
+        ttl = pointer_ttl_s
+        if expires is not None:
+            ttl = max(0, min(ttl, math.floor(expires - time.time())))
+        return REVALIDATE.format(ttl=ttl)
     return IMMUTABLE
 
 

@@ -452,6 +452,11 @@ class TrustPolicy:
         self._seen[name] = version
         self._save_state(name, version)
 
+    def read_state(self) -> None:
+        """Read the record of seen versions now (:class:`TrustError` if it is damaged),
+        so that a long-running reader names a damaged record at start."""
+        self._load_state()
+
     def check_not_older(self, name: str, version: int, where: str) -> None:
         seen = self.newest_seen(name)
         if version < seen:

@@ -9,6 +9,7 @@ import base64
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -455,8 +456,11 @@ def test_an_edge_does_not_reuse_a_pointer_past_its_expiry(signed, tmp_path, with
         url = f"{node.url}/{latest_key('guide')}"
         status, headers, body = get(url)
         assert status == 200 and payload(body)["expires"] == format_expiry(expires)
-        status, _, _ = get(url)
+        # a cache below the edge keeps it no longer than its expiry either (not 60 s)
+        assert re.fullmatch(r"public, max-age=[0-4], must-revalidate", headers["Cache-Control"])
+        status, headers, _ = get(url)
         assert status == 200 and node.metrics()["kvcdn_edge_hits_total"] >= 1  # reused
+        assert re.fullmatch(r"public, max-age=[0-4], must-revalidate", headers["Cache-Control"])
         root.rename(gone)  # the origin goes down
         time.sleep(max(0.0, expires - time.time()) + 0.5)
         status, headers, body = get(url)

@@ -32,7 +32,7 @@ from kvcdn.models import kv_from_cache, user_message
 from kvcdn.publish import publish
 from kvcdn.store import open_store
 from tests.cli_json import parsed
-from tests.conftest import REPO, SED_MANUAL, free_port
+from tests.conftest import REPO, SED_MANUAL, free_port, signed_store
 
 pytestmark = [
     pytest.mark.vllm,
@@ -48,6 +48,8 @@ TENANT_A = "tenant-a salt"  # configured as the salt itself
 TENANT_B = "tenant-b salt"  # configured as sha256:HEX of it
 BEHIND_A_HANGING_EDGE = "hanging-edge salt"  # a tenant that reads through an edge that hangs
 HANGING_STORE = "hanging-store salt"  # a tenant whose S3 endpoint accepts and never answers
+TRUSTED = "trusted salt"  # a signed store, read with its trust file and a record of it
+ROLLED_BACK = "rolled-back salt"  # the same, its record past the store's version
 #: How vLLM prefixes its own log lines: kvcdn's lines inside vLLM carry the same fields.
 VLLM_LINE = re.compile(r"^\(\S+ pid=\d+\) (DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d "
                        r"\[[\w.]+:\d+\] ")
@@ -194,7 +196,19 @@ def hanging_edge(store_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, store_dir, model, hanging_edge):
+def trust_records(tmp_path_factory, model) -> tuple[Path, Path, Path]:
+    """The sed excerpt published signed (``fp16``, one version), its trust file, and a
+    folder for the tenants' records of seen versions: ``rolled-back.json`` says that
+    ``sed@5`` was seen (the store was rolled back while the engine was down)."""
+    root, _key, trust_file = signed_store(tmp_path_factory, model, [("sed", sed_excerpt())],
+                                          levels="fp16")  # fmt: skip
+    records = tmp_path_factory.mktemp("trust-records")
+    (records / "rolled-back.json").write_text('{"sed": 5}')
+    return root, trust_file, records
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, store_dir, model, hanging_edge, trust_records):
     from kvcdn.models import model_folder
 
     # synchronous loads in layer order (4 groups of the model's 30 layers), beside the
@@ -208,6 +222,10 @@ def engine(tmp_path_factory, store_dir, model, hanging_edge):
                BEHIND_A_HANGING_EDGE: {"store": str(store_dir), "edges": [hanging_edge]},
                HANGING_STORE: {"store": "s3://kvcdn-hanging/kv", "endpoint_url": hanging_edge,
                                "name": "hanging"}}
+    signed, trust_file, records = trust_records
+    for salt, record in ((TRUSTED, "trusted.json"), (ROLLED_BACK, "rolled-back.json")):
+        tenants[salt] = {"store": str(signed), "trust": str(trust_file),
+                         "trust_state": str(records / record)}  # fmt: skip
     extra = {"store": str(store_dir), "model": "smollm2-135m", "lookup_ttl_s": 0,
              "layer_groups": 4, "tenants": tenants}  # fmt: skip
     with _engine(tmp_path_factory.mktemp("vllm-engine"), model_folder("smollm2-135m"),
@@ -313,6 +331,26 @@ def test_a_tenant_whose_store_hangs_holds_up_no_other(engine, model, sed_prompt,
     after = engine.ask(sed_prompt, kvcdn_quality="fp16")
     assert after["kv_transfer_params"]["kvcdn"]["loaded_tokens"] == claimed
     assert after["token_ids"] == baseline["token_ids"]
+
+
+def test_a_tenant_s_record_of_seen_versions_is_kept_and_held_to(
+    engine, model, sed_prompt, baseline, trust_records
+):
+    """``trust_state``: a trusted lookup writes the version it verified to its tenant's
+    record, and a record that has seen a newer version than the store offers (a store
+    rolled back while the engine was down) refuses the store's: vLLM computes it."""
+    records = trust_records[2]
+    claimed = (_published_tokens(model) - 1) // 256 * 256
+    out = engine.ask(sed_prompt, cache_salt=TRUSTED, kvcdn_quality="fp16")
+    assert out["kv_transfer_params"]["kvcdn"]["loaded_tokens"] == claimed
+    assert out["token_ids"] == baseline["token_ids"]
+    assert json.loads((records / "trusted.json").read_text()) == {"sed": 1}
+    out = engine.ask(sed_prompt, cache_salt=ROLLED_BACK, kvcdn_quality="fp16")
+    assert out["num_cached_tokens"] == 0 and out["kv_transfer_params"] is None
+    assert out["token_ids"] == baseline["token_ids"]
+    log = engine.log.read_text()
+    assert "offers sed@1 as the latest version, but this reader has already seen sed@5" in log
+    assert json.loads((records / "rolled-back.json").read_text()) == {"sed": 5}
 
 
 def _kl(p_logprobs: dict[str, float], q_logprobs: dict[str, float]) -> float:
@@ -722,6 +760,15 @@ def _metrics_count_the_loads(base: str, manifest, shared: int, edges: list[str])
         ({"store": "/a", "trust": "/t.pub", "require_expiry": 1}, "require_expiry must be true"),
         ({"tenants": {"a": {"store": "/a", "require_expiry": True}}},
          "tenant #1: require_expiry needs a trust file"),
+        ({"store": "/a", "trust_state": "/s.json"}, "trust_state needs a trust file"),
+        ({"store": "/a", "trust": "/t.pub", "trust_state": ""}, "trust_state must be a non-empty"),
+        # document names belong to a store: one tenant's guide@7 would refuse another's guide@3
+        ({"store": "/a", "trust": "/t.pub", "trust_state": "/s.json",
+          "tenants": {"a": {"store": "/b", "trust": "/t.pub", "trust_state": "/x/../s.json"}}},
+         "tenant #1: trust_state is the record of the main store too"),
+        ({"store": "/a", "tenants": {"a": {"store": "/b", "trust": "/t.pub", "trust_state": "/s"},
+                                     "b": {"store": "/c", "trust": "/t.pub", "trust_state": "/s"}}},
+         "tenant #2: trust_state is the record of tenant #1 too"),
     ],
 )
 def test_connector_configuration_mistakes_are_named(extra, problem):

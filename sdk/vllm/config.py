@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ class ConnectorConfig:
     #: With ``trust``: a document is found only while its signed latest pointer is
     #: current (docs/trust.md, Freshness), so a store cannot replay a withdrawn one.
     require_expiry: bool = False
+    #: With ``trust``: a file recording the newest version of each document this
+    #: connector has verified, so that rollback protection outlasts a restart (without
+    #: it the record is the process's; the SDK's ``state_path``, docs/trust.md).
+    trust_state: str | None = None
     model: str | None = None  # the kvcdn model name (default: the model vLLM serves)
     quality: str = AUTO  # a level, or auto
     deadline_s: float | None = None  # a load not in by then is left to vLLM's prefill
@@ -66,8 +71,9 @@ class ConnectorConfig:
     layer_groups: int = 1
     #: vLLM's ``cache_salt`` -> what a salted request reads: ``{"sha256:HEX" (of the salt;
     #: or the salt itself): {"store": ..., "endpoint_url", "edges", "edge_token",
-    #: "trust", "require_expiry", "name"}}``. A salted request with no entry gets nothing
-    #: from kvcdn; unsalted requests read ``store`` (docs/vllm.md, "Tenants").
+    #: "trust", "require_expiry", "trust_state", "name"}}``. A salted request with no
+    #: entry gets nothing from kvcdn; unsalted requests read ``store`` (docs/vllm.md,
+    #: "Tenants").
     tenants: dict[str, dict[str, Any]] | None = None
 
     @classmethod
@@ -79,10 +85,11 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
             )
         config = cls(**extra)
-        for key in ("store", "endpoint_url", "edge_token", "trust", "model", "capture_dir"):
+        for key in ("store", "endpoint_url", "edge_token", "trust", "trust_state", "model",
+                    "capture_dir"):  # fmt: skip
             _optional_text(getattr(config, key), key, "")
         _edge_list(config.edges, "")
-        _freshness(config.require_expiry, config.trust, "")
+        _freshness(config.require_expiry, config.trust_state, config.trust, "")
         if not isinstance(config.quality, str) or not config.quality:
             raise KvcdnError("quality must be a level name or 'auto'")
         if config.load_mode not in LOAD_MODES:
@@ -95,7 +102,8 @@ class ConnectorConfig:
             raise KvcdnError("chunk_tokens must be an integer of at least 16")
         if type(config.layer_groups) is not int or not 1 <= config.layer_groups <= 1024:
             raise KvcdnError("layer_groups must be an integer from 1 to 1024")
-        tenant_sources(config.tenants)  # checked here: a mistake is named at start
+        # checked here: a mistake is named at start
+        _distinct_records(config.trust_state, tenant_sources(config.tenants))
         return config
 
 
@@ -109,6 +117,7 @@ class Source:
     edge_token: str | None = None
     trust: str | None = None
     require_expiry: bool = False
+    trust_state: str | None = None
     #: The tenant's ``tenant`` label on vLLM's /metrics (default: ``sha256:`` and the
     #: first 12 hex digits of its salt's digest).
     name: str | None = None
@@ -136,12 +145,35 @@ def _optional_text(value: Any, name: str, where: str) -> None:
         raise KvcdnError(f"{where}{name} must be a non-empty string (or left out)")
 
 
-def _freshness(require_expiry: Any, trust: str | None, where: str) -> None:
+def _freshness(require_expiry: Any, trust_state: str | None, trust: str | None,
+               where: str) -> None:  # fmt: skip
     if not isinstance(require_expiry, bool):
         raise KvcdnError(f"{where}require_expiry must be true or false")
     if require_expiry and trust is None:
         raise KvcdnError(f"{where}require_expiry needs a trust file (trust): only signed "
                          "pointers carry an expiry")  # fmt: skip
+    if trust_state is not None and trust is None:
+        raise KvcdnError(f"{where}trust_state needs a trust file (trust): it records the "
+                         "versions of signed documents")  # fmt: skip
+
+
+def _distinct_records(main: str | None, tenants: dict[str, Source]) -> None:
+    """Each tenant keeps its own record of seen versions: document names belong to a
+    store, so one tenant's ``guide@7`` in a shared record would refuse another's
+    ``guide@3`` as a rollback."""
+    owners: dict[str, str] = {}
+    records = [("the main store", "", main)] + [
+        (f"tenant #{n + 1}", f"tenant #{n + 1}: ", s.trust_state)
+        for n, s in enumerate(tenants.values())
+    ]
+    for owner, where, path in records:
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in owners:
+            raise KvcdnError(f"{where}trust_state is the record of {owners[real]} too: each "
+                             "store's documents need a record of their own")  # fmt: skip
+        owners[real] = owner
 
 
 def _edge_list(edges: Any, where: str) -> None:
@@ -182,7 +214,7 @@ def tenant_sources(tenants: Any) -> dict[str, Source]:
         source = Source(**{"store": None, **entry})
         if not isinstance(source.store, str) or not source.store:
             raise KvcdnError(f"{where}: store must be a store URL or folder")
-        for name in ("endpoint_url", "edge_token", "trust", "name"):
+        for name in ("endpoint_url", "edge_token", "trust", "trust_state", "name"):
             _optional_text(getattr(source, name), name, f"{where}: ")
         if source.name is not None:
             if not _TENANT_NAME.fullmatch(source.name):
@@ -192,7 +224,7 @@ def tenant_sources(tenants: Any) -> dict[str, Source]:
                 raise KvcdnError(f"{where}: the name {source.name!r} is taken")
             names.add(source.name)
         _edge_list(source.edges, f"{where}: ")
-        _freshness(source.require_expiry, source.trust, f"{where}: ")
+        _freshness(source.require_expiry, source.trust_state, source.trust, f"{where}: ")
         if key in out:
             raise KvcdnError(f"{where}: the same salt as another tenant")
         out[key] = source
@@ -237,13 +269,16 @@ class ConnectorSetup:
             c = self.config
             # unsalted requests read the main store (None: $KVCDN_STORE)
             self._sources[""] = Source(c.store, c.endpoint_url, c.edges, c.edge_token, c.trust,
-                                       c.require_expiry)  # fmt: skip
+                                       c.require_expiry, c.trust_state)  # fmt: skip
             self._sources.update(tenant_sources(c.tenants))
             self._reader_locks = {key: threading.Lock() for key in self._sources}
             for key, source in self._sources.items():
                 self._trust[key] = (TrustPolicy.from_file(source.trust,
+                                                          state_path=source.trust_state,
                                                           require_expiry=source.require_expiry)
                                     if source.trust else None)  # fmt: skip
+                if self._trust[key] is not None:  # a damaged record is named at start
+                    self._trust[key].read_state()
             if self.config.chunk_tokens % self.block_size:
                 raise KvcdnError(
                     f"vLLM's block size {self.block_size} does not divide kvcdn's chunk size "
