@@ -230,7 +230,7 @@ def check(refs: tuple[str, ...], store: str | None, endpoint_url: str | None,
       kvcdn check sed-manual bash@3     # what these versions need
       kvcdn check --trust publishers.pub --json
     """
-    from kvcdn.check import check_store
+    from kvcdn.check import NOTICES, check_store
 
     target = _open(store, endpoint_url)
     with _progress(not as_json) as progress:
@@ -250,7 +250,7 @@ def check(refs: tuple[str, ...], store: str | None, endpoint_url: str | None,
                   f"in {report.seconds:.1f} s")  # fmt: skip
         for p in report.problems[:20]:
             users = f" (named by {', '.join(p.used_by[:3])})" if p.used_by else ""
-            mark = "[yellow]![/]" if p.kind == "dangling" else "[red]✗[/]"
+            mark = "[yellow]![/]" if p.kind in NOTICES else "[red]✗[/]"
             out.print(f"{mark} {p.kind}: {escape(p.key)}{escape(users)}: {escape(p.detail)}")
         if len(report.problems) > 20:
             out.print(f"… {len(report.problems) - 20} more (--json lists all)")

@@ -57,14 +57,20 @@ _HEAD_BYTES = 24 + (1 << 20)  # a container's preamble and its largest header
 ProgressFn = Callable[[str, int, int], None]
 
 
+#: Problem kinds reported without failing a check: nothing a reader meets is wrong.
+NOTICES = ("dangling", "superseded")
+
+
 @dataclass(frozen=True)
 class Problem:
     """Something wrong with one key: ``kind`` is missing, damaged (bytes or format),
     unreadable (the store failed on it: permissions, I/O, a looping link), untrusted
     (with a trust policy), expired (with a trust policy: a latest pointer past its
-    signed expiry, or without one where the policy requires one), or dangling (a
+    signed expiry, or without one where the policy requires one), dangling (a
     pointer or index entry that names a version that is not there: readers take it
-    for no entry, so it is reported without failing the check)."""
+    for no entry), or superseded (an index entry naming a version older than the
+    document's newest: left by a publish that changed the text's beginning, or the
+    text). The last two are :data:`NOTICES`: reported without failing the check."""
 
     key: str
     kind: str
@@ -91,8 +97,8 @@ class StoreCheck:
 
     @property
     def failures(self) -> list[Problem]:
-        """The problems a reader would meet (all but dangling pointers and entries)."""
-        return [p for p in self.problems if p.kind != "dangling"]
+        """The problems a reader would meet (all but :data:`NOTICES`)."""
+        return [p for p in self.problems if p.kind not in NOTICES]
 
     @property
     def ok(self) -> bool:
@@ -274,7 +280,10 @@ def _check_pointer(
 def _check_index_entries(store: Store, stored: dict[str, list[int]], report: StoreCheck
                          ) -> None:  # fmt: skip
     """Source and prefix index entries: each reads and names a stored version (readers
-    treat a dangling one as no entry: reported, since a publish rewrites it)."""
+    treat a dangling one as no entry: reported, since a publish rewrites it), and one
+    naming an older version than its document's newest is reported as superseded: a
+    prompt (or file) that begins as that version's did still finds it, where readers
+    with a trust file that have seen a newer version refuse it as a rollback."""
     for key in store.list("index/"):
         info = keys.parse_key(key)
         if info is None or info.kind not in ("index", "prefix-index"):
@@ -286,9 +295,16 @@ def _check_index_entries(store: Store, stored: dict[str, list[int]], report: Sto
         except (FormatError, StoreError) as exc:
             report.problems.append(Problem(key, _kind(exc), _line(exc)))
             continue
-        if pointer.version not in stored.get(pointer.name, ()):
+        versions = stored.get(pointer.name, ())
+        if pointer.version not in versions:
             report.problems.append(Problem(
                 key, "dangling", f"it names {pointer.name}@{pointer.version}, which is not stored"
+            ))  # fmt: skip
+        elif pointer.version < max(versions):
+            name, old = pointer.name, pointer.version
+            report.problems.append(Problem(
+                key, "superseded", f"it names {name}@{old}, older than {name}@{max(versions)}: "
+                f"`kvcdn rm {name}@{old}` removes it with that version"
             ))  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvcdn.catalog import index_keys, read_manifest
 from kvcdn.check import check_store
 from kvcdn.gc import remove
 from kvcdn.keys import latest_key, manifest_key
@@ -42,7 +43,13 @@ def test_check_finds_missing_and_damaged_objects_and_lists_orphans(store, model,
     done = _check(store)
     assert done.returncode == 0, done.stderr
     report = parsed("check", done.stdout)
-    assert report["ok"] and report["problems"] == [] and report["orphans"] == []
+    assert report["ok"] and report["orphans"] == []
+    # guide@1's text still finds guide@1 (the edit left its first chunk, and so the
+    # prefix entry, to guide@2): a notice, not a failure
+    first = read_manifest(store, "guide", 1)
+    [old_text] = set(index_keys(first)) - set(index_keys(read_manifest(store, "guide", 2)))
+    assert [(p["key"], p["kind"]) for p in report["problems"]] == [(old_text, "superseded")]
+    assert "names guide@1, older than guide@2" in report["problems"][0]["detail"]
     assert (report["documents"], report["versions"]) == (2, 3)
     unique = {
         ref["key"]
@@ -68,7 +75,7 @@ def test_check_finds_missing_and_damaged_objects_and_lists_orphans(store, model,
     assert problems[gone]["used_by"] == ["guide@1", "guide@2"]
     assert problems[damaged]["kind"] == "damaged" and problems[damaged]["used_by"] == ["other@1"]
     assert problems[latest_key("other")]["kind"] == "dangling"
-    assert not report["ok"] and len(problems) == 3
+    assert not report["ok"] and len(problems) == 4  # and the superseded entry
 
     # an entry the store fails on (a looping link, no permission) is reported; the rest of
     # the store is still checked
@@ -79,7 +86,7 @@ def test_check_finds_missing_and_damaged_objects_and_lists_orphans(store, model,
         path.symlink_to(path.name)
         report = parsed("check", _check(store).stdout)
         problems = {p["key"]: p for p in report["problems"]}
-        assert problems[looping]["kind"] == "unreadable" and len(problems) == 4
+        assert problems[looping]["kind"] == "unreadable" and len(problems) == 5
         assert report["objects"] == len(unique)  # every other object was read too
         path.unlink()
         store.put(looping, b"")  # republishing below restores its bytes
