@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import keys
-from .catalog import check_fresh, parse_ref
+from .catalog import check_fresh, index_keys, parse_ref
 from .container import read_header
 from .errors import (
     FormatError,
@@ -156,7 +156,7 @@ def check_store(
     for name in listed:
         _check_pointer(store, name, set(stored[name]), trust, report)
     if report.whole_store:
-        _check_index_entries(store, stored, report)
+        _check_index_entries(store, stored, manifests, report)
         _find_orphans(store, set(refs_by_key), report)
     report.seconds = time.perf_counter() - started
     return report
@@ -277,13 +277,19 @@ def _check_pointer(
         )
 
 
-def _check_index_entries(store: Store, stored: dict[str, list[int]], report: StoreCheck
-                         ) -> None:  # fmt: skip
+def _check_index_entries(store: Store, stored: dict[str, list[int]], manifests: list[Manifest],
+                         report: StoreCheck) -> None:  # fmt: skip
     """Source and prefix index entries: each reads and names a stored version (readers
-    treat a dangling one as no entry: reported, since a publish rewrites it), and one
-    naming an older version than its document's newest is reported as superseded: a
-    prompt (or file) that begins as that version's did still finds it, where readers
-    with a trust file that have seen a newer version refuse it as a rollback."""
+    treat a dangling one as no entry: reported, since a publish rewrites it) that this
+    key indexes (its text, or its first chunk: readers refuse an entry naming another
+    version, so that is damage). One naming an older version than its document's
+    newest that checked out (``manifests``) is reported as superseded: a prompt (or
+    file) that begins as that version's did still finds it, where readers with a
+    trust file that have seen a newer version refuse it as a rollback."""
+    by_ref = {(m.name, m.version): m for m in manifests}
+    newest: dict[str, int] = {}
+    for m in manifests:
+        newest[m.name] = max(newest.get(m.name, 0), m.version)
     for key in store.list("index/"):
         info = keys.parse_key(key)
         if info is None or info.kind not in ("index", "prefix-index"):
@@ -295,16 +301,23 @@ def _check_index_entries(store: Store, stored: dict[str, list[int]], report: Sto
         except (FormatError, StoreError) as exc:
             report.problems.append(Problem(key, _kind(exc), _line(exc)))
             continue
-        versions = stored.get(pointer.name, ())
-        if pointer.version not in versions:
+        name, version = pointer.name, pointer.version
+        named = by_ref.get((name, version))
+        if version not in stored.get(name, ()):
             report.problems.append(Problem(
-                key, "dangling", f"it names {pointer.name}@{pointer.version}, which is not stored"
+                key, "dangling", f"it names {name}@{version}, which is not stored"
             ))  # fmt: skip
-        elif pointer.version < max(versions):
-            name, old = pointer.name, pointer.version
+        elif named is None:  # that manifest's own problem is reported already
+            continue
+        elif key not in index_keys(named):
             report.problems.append(Problem(
-                key, "superseded", f"it names {name}@{old}, older than {name}@{max(versions)}: "
-                f"`kvcdn rm {name}@{old}` removes it with that version"
+                key, "damaged", f"it names {name}@{version}, whose text and first chunk are "
+                "not what this entry indexes: readers refuse it"
+            ))  # fmt: skip
+        elif version < newest[name]:
+            report.problems.append(Problem(
+                key, "superseded", f"it names {name}@{version}, older than "
+                f"{name}@{newest[name]}: `kvcdn rm {name}@{version}` removes it with that version"
             ))  # fmt: skip
 
 

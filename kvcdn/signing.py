@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -452,10 +453,24 @@ class TrustPolicy:
         self._seen[name] = version
         self._save_state(name, version)
 
-    def read_state(self) -> None:
-        """Read the record of seen versions now (:class:`TrustError` if it is damaged),
-        so that a long-running reader names a damaged record at start."""
+    def check_state(self) -> None:
+        """Read the record of seen versions now, and make sure it can be written
+        (:class:`TrustError` if it is damaged, or its folder or lock cannot be made), so
+        that a long-running reader names such a record at start: a record that cannot
+        be written would otherwise leave each save a warning and the next start
+        without the versions seen."""
         self._load_state()
+        if self.state_path is None:
+            return
+        record = _real(self.state_path)
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            with open(_lock_of(record), "a"):
+                pass
+        except OSError as exc:
+            raise TrustError(f"the record of the versions this reader has seen, "
+                             f"{self.state_path}, cannot be written: {exc.strerror or exc}"
+                             ) from None  # fmt: skip
 
     def check_not_older(self, name: str, version: int, where: str) -> None:
         seen = self.newest_seen(name)
@@ -475,8 +490,11 @@ class TrustPolicy:
         if self.state_path is None or not os.path.lexists(self.state_path):
             return
         try:
-            raw = loads(read_bounded(self.state_path, MAX_STATE_BYTES, "rollback state"),
-                        what=str(self.state_path), max_bytes=MAX_STATE_BYTES)  # fmt: skip
+            # a regular file only: kvcdn writes it, and a FIFO in its place would hang
+            # the reader's start in open()
+            data = read_bounded(self.state_path, MAX_STATE_BYTES, "rollback state",
+                                regular=True)  # fmt: skip
+            raw = loads(data, what=str(self.state_path), max_bytes=MAX_STATE_BYTES)
             if not isinstance(raw, dict) or not all(
                 isinstance(name, str) and type(v) is int and v > 0 for name, v in raw.items()
             ):
@@ -497,29 +515,50 @@ class TrustPolicy:
         atomically and durably: a crash leaves the old record or the new, whole."""
         if self.state_path is None:
             return
+        # where a link leads: replacing the link itself would leave its target (a
+        # mounted volume's file, say) behind with the older record
+        record = _real(self.state_path)
         try:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.state_path.with_name(self.state_path.name + ".lock"), "w") as lock:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            # "a": opening the lock never empties a file, whatever else it is
+            with open(_lock_of(record), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 self._load_state()
                 self._seen[name] = max(self._seen.get(name, 0), version)
-                tmp = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}")
+                tmp = record.with_name(f".{record.name}.{os.getpid()}")
                 with open(tmp, "w") as f:
                     f.write(json.dumps(self._seen, sort_keys=True))
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, self.state_path)
+                os.replace(tmp, record)
         except OSError as exc:  # the check still holds for this process
             log.warning("cannot record seen versions in %s: %s", self.state_path, exc)
 
 
-def read_bounded(path: str | Path, max_bytes: int, what: str) -> bytes:
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _lock_of(record: Path) -> Path:
+    return record.with_name(record.name + ".lock")
+
+
+def read_bounded(path: str | Path, max_bytes: int, what: str, *, regular: bool = False
+                 ) -> bytes:  # fmt: skip
     """A small file's bytes (a key, a trust file, a token): refused past ``max_bytes``,
-    whatever the file is (a device, a pipe, a huge file)."""
+    whatever the file is (a device, a pipe, a huge file). With ``regular``, anything
+    but a regular file is refused, and a FIFO without a writer does not block."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        if regular:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise InputError(f"the {what} {path} is not a regular file")
+                data = f.read(max_bytes + 1)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(max_bytes + 1)
     except OSError as exc:
         raise InputError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
     if len(data) > max_bytes:

@@ -50,6 +50,18 @@ def test_check_finds_missing_and_damaged_objects_and_lists_orphans(store, model,
     [old_text] = set(index_keys(first)) - set(index_keys(read_manifest(store, "guide", 2)))
     assert [(p["key"], p["kind"]) for p in report["problems"]] == [(old_text, "superseded")]
     assert "names guide@1, older than guide@2" in report["problems"][0]["detail"]
+    # an entry rewritten to name a version it does not index is damage (readers refuse
+    # it), and a manifest that does not read is no newer version
+    [new_text] = set(index_keys(read_manifest(store, "guide", 2))) - set(index_keys(first))
+    store.put(new_text, pointer_bytes("guide", 1))
+    store.put(manifest_key("guide", 9), b"{}")
+    done = _check(store)
+    assert done.returncode == 5, done.stderr
+    problems = {p["key"]: p["kind"] for p in parsed("check", done.stdout)["problems"]}
+    assert problems == {new_text: "damaged", manifest_key("guide", 9): "damaged",
+                        old_text: "superseded"}  # fmt: skip
+    store.put(new_text, pointer_bytes("guide", 2))
+    store.delete(manifest_key("guide", 9))
     assert (report["documents"], report["versions"]) == (2, 3)
     unique = {
         ref["key"]

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -289,6 +292,55 @@ def test_a_damaged_record_of_seen_versions_is_refused_not_reset(attacked, tmp_pa
     done = _cli(*args, env_home=home)
     assert done.returncode == 0 and parsed("inspect", done.stdout)["version"] == 2
     assert json.loads(state.read_text()) == {"victim": 2}  # recorded again
+
+
+def test_a_record_of_seen_versions_is_a_file_written_where_its_link_leads(attacked, tmp_path):
+    """The record a long-running reader keeps (the vLLM connector's ``trust_state``): a
+    FIFO in its place is refused at once as damaged (its open() blocked the reader's
+    start for good); a record that is a link (to a mounted volume's file) is written
+    where the link leads, not replaced by a file of its own; taking its lock never
+    empties a file; a record that cannot be written is named by ``check_state``."""
+    _, _, trust_file, _ = attacked
+
+    def policy(path: Path) -> TrustPolicy:
+        return TrustPolicy.from_file(trust_file, state_path=path)
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            policy(fifo).check_state()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert outcome, "check_state() blocked on a FIFO"
+    assert isinstance(outcome[0], TrustError) and "is not a regular file" in str(outcome[0])
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    target = volume / "seen.json"
+    target.write_text('{"victim": 1}')
+    lock = volume / "seen.json.lock"
+    lock.write_text("not to be emptied")
+    link = tmp_path / "seen.json"
+    link.symlink_to(target)
+    record = policy(link)
+    record.check_state()
+    record.saw("victim", 2)
+    assert link.is_symlink() and json.loads(target.read_text()) == {"victim": 2}
+    assert lock.read_text() == "not to be emptied"
+    assert policy(link).newest_seen("victim") == 2  # a new process reads it back
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(TrustError, match="cannot be written"):
+        policy(blocked / "seen.json").check_state()
 
 
 def test_ls_shows_the_version_the_pointer_names_not_a_planted_one(attacked, tmp_path):

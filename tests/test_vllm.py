@@ -784,6 +784,29 @@ def test_connector_configuration_mistakes_are_named(extra, problem):
     assert ok.deadline_s == 0.5 and ok.quality == "auto"
 
 
+def test_no_two_tenants_share_a_record_of_seen_versions(tmp_path):
+    """However the same file is named (a link, a hard link, another spelling), two
+    tenants' ``trust_state`` are refused at start; a path no file can have is named."""
+    from kvcdn.errors import KvcdnError
+    from kvcdn.sdk.vllm import ConnectorConfig
+
+    record = tmp_path / "seen.json"
+    record.write_text("{}")
+    (tmp_path / "link.json").symlink_to(record)
+    os.link(record, tmp_path / "hard.json")
+
+    def config(main: str, tenant: str) -> dict:
+        tenants = {"a": {"store": "/b", "trust": "/t.pub", "trust_state": tenant}}
+        return {"store": "/a", "trust": "/t.pub", "trust_state": main, "tenants": tenants}
+
+    for other in ("link.json", "hard.json", "./sub/../seen.json", "seen.json.lock"):
+        with pytest.raises(KvcdnError, match="tenant #1: trust_state is the record of the main"):
+            ConnectorConfig.parse(config(str(record), str(tmp_path / other)))
+    with pytest.raises(KvcdnError, match="tenant #1: trust_state is not a usable path"):
+        ConnectorConfig.parse(config(str(record), "a\0b"))
+    ConnectorConfig.parse(config(str(record), str(tmp_path / "other.json")))
+
+
 def test_any_cache_salt_is_some_tenant_s_or_none_s():
     """vLLM's Python API passes a salt as it is given, lone surrogates included (its
     OpenAI server refuses them): such a salt is hashed as its code points are, so it

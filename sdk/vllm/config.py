@@ -160,8 +160,9 @@ def _freshness(require_expiry: Any, trust_state: str | None, trust: str | None,
 def _distinct_records(main: str | None, tenants: dict[str, Source]) -> None:
     """Each tenant keeps its own record of seen versions: document names belong to a
     store, so one tenant's ``guide@7`` in a shared record would refuse another's
-    ``guide@3`` as a rollback."""
-    owners: dict[str, str] = {}
+    ``guide@3`` as a rollback. One file however named: links followed, and a record
+    that exists compared by its inode (a hard link); nor is one record another's lock."""
+    owners: dict[Any, str] = {}
     records = [("the main store", "", main)] + [
         (f"tenant #{n + 1}", f"tenant #{n + 1}: ", s.trust_state)
         for n, s in enumerate(tenants.values())
@@ -169,11 +170,20 @@ def _distinct_records(main: str | None, tenants: dict[str, Source]) -> None:
     for owner, where, path in records:
         if path is None:
             continue
-        real = os.path.realpath(path)
-        if real in owners:
-            raise KvcdnError(f"{where}trust_state is the record of {owners[real]} too: each "
-                             "store's documents need a record of their own")  # fmt: skip
-        owners[real] = owner
+        try:
+            real = os.path.realpath(path)
+            names = [real, real + ".lock"]  # its lock: one record's lock is no other's record
+            if os.path.exists(real):
+                found = os.stat(real)
+                names.append((found.st_dev, found.st_ino))
+        except (OSError, ValueError) as exc:  # a NUL byte, a name too long
+            raise KvcdnError(f"{where}trust_state is not a usable path: {exc}") from None
+        for name in names:
+            if name in owners:
+                raise KvcdnError(f"{where}trust_state is the record of {owners[name]} too (or "
+                                 "its lock): each store's documents need a record of their "
+                                 "own")  # fmt: skip
+        owners.update(dict.fromkeys(names, owner))
 
 
 def _edge_list(edges: Any, where: str) -> None:
@@ -273,12 +283,13 @@ class ConnectorSetup:
             self._sources.update(tenant_sources(c.tenants))
             self._reader_locks = {key: threading.Lock() for key in self._sources}
             for key, source in self._sources.items():
-                self._trust[key] = (TrustPolicy.from_file(source.trust,
-                                                          state_path=source.trust_state,
+                # the record's path made absolute now: the engine may change folder later
+                record = os.path.abspath(source.trust_state) if source.trust_state else None
+                self._trust[key] = (TrustPolicy.from_file(source.trust, state_path=record,
                                                           require_expiry=source.require_expiry)
                                     if source.trust else None)  # fmt: skip
-                if self._trust[key] is not None:  # a damaged record is named at start
-                    self._trust[key].read_state()
+                if self._trust[key] is not None:  # a damaged or unwritable record: at start
+                    self._trust[key].check_state()
             if self.config.chunk_tokens % self.block_size:
                 raise KvcdnError(
                     f"vLLM's block size {self.block_size} does not divide kvcdn's chunk size "
