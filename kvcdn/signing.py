@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -454,19 +456,17 @@ class TrustPolicy:
         self._save_state(name, version)
 
     def check_state(self) -> None:
-        """Read the record of seen versions now, and make sure it can be written
-        (:class:`TrustError` if it is damaged, or its folder or lock cannot be made), so
-        that a long-running reader names such a record at start: a record that cannot
-        be written would otherwise leave each save a warning and the next start
-        without the versions seen."""
+        """Read the record of seen versions now, and write it back as it is
+        (:class:`TrustError` if it is damaged, or its folder, lock or replacement fails:
+        a file bind-mounted in its place cannot be replaced), so that a long-running
+        reader names such a record at start: a record that cannot be written would
+        otherwise leave each save a warning and the next start without the versions
+        seen."""
         self._load_state()
         if self.state_path is None:
             return
-        record = _real(self.state_path)
         try:
-            record.parent.mkdir(parents=True, exist_ok=True)
-            with open(_lock_of(record), "a"):
-                pass
+            self._write_record()
         except OSError as exc:
             raise TrustError(f"the record of the versions this reader has seen, "
                              f"{self.state_path}, cannot be written: {exc.strerror or exc}"
@@ -511,36 +511,64 @@ class TrustPolicy:
                 self._seen[name] = version
 
     def _save_state(self, name: str, version: int) -> None:
-        """Merge one record into the state file, under a lock (other processes write too),
-        atomically and durably: a crash leaves the old record or the new, whole."""
+        """Merge one record into the state file (:meth:`_write_record`)."""
         if self.state_path is None:
             return
-        # where a link leads: replacing the link itself would leave its target (a
-        # mounted volume's file, say) behind with the older record
-        record = _real(self.state_path)
         try:
-            record.parent.mkdir(parents=True, exist_ok=True)
-            # "a": opening the lock never empties a file, whatever else it is
-            with open(_lock_of(record), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                self._load_state()
+            self._write_record(name, version)
+        except OSError as exc:  # the check still holds for this process
+            log.warning("cannot record seen versions in %s: %s", self.state_path, exc)
+
+    def _write_record(self, name: str | None = None, version: int = 0) -> None:
+        """The state file merged with this process's records (and ``name@version``),
+        under a lock (other processes write too), atomically and durably: a crash
+        leaves the old record or the new, whole. Written where a link leads:
+        replacing the link itself would leave its target (a mounted volume's file,
+        say) behind with the older record."""
+        assert self.state_path is not None
+        record = _real(self.state_path)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        lock = _open_lock(record)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._load_state()
+            if name is not None:
                 self._seen[name] = max(self._seen.get(name, 0), version)
-                tmp = record.with_name(f".{record.name}.{os.getpid()}")
+            tmp = record.with_name(f".{record.name}.{os.getpid()}")
+            try:
                 with open(tmp, "w") as f:
                     f.write(json.dumps(self._seen, sort_keys=True))
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, record)
-        except OSError as exc:  # the check still holds for this process
-            log.warning("cannot record seen versions in %s: %s", self.state_path, exc)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        finally:
+            os.close(lock)
 
 
 def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def _lock_of(record: Path) -> Path:
-    return record.with_name(record.name + ".lock")
+def _open_lock(record: Path) -> int:
+    """The lock file beside ``record``, opened without emptying it and without
+    blocking (a FIFO in its place would block ``open()``); OSError unless it is a
+    regular file."""
+    path = record.with_name(record.name + ".lock")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise OSError(errno.EINVAL, f"{path} is not a regular file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    return fd
 
 
 def read_bounded(path: str | Path, max_bytes: int, what: str, *, regular: bool = False

@@ -309,18 +309,26 @@ def test_a_record_of_seen_versions_is_a_file_written_where_its_link_leads(attack
     os.mkfifo(fifo)
     outcome: list[BaseException | None] = []
 
-    def check() -> None:
+    def check(path: Path) -> None:
         try:
-            policy(fifo).check_state()
+            policy(path).check_state()
             outcome.append(None)
         except BaseException as exc:
             outcome.append(exc)
 
-    worker = threading.Thread(target=check, daemon=True)
-    worker.start()
-    worker.join(timeout=20)
-    assert outcome, "check_state() blocked on a FIFO"
-    assert isinstance(outcome[0], TrustError) and "is not a regular file" in str(outcome[0])
+    def check_within_20_s(path: Path) -> BaseException | None:
+        outcome.clear()
+        worker = threading.Thread(target=check, args=(path,), daemon=True)
+        worker.start()
+        worker.join(timeout=20)
+        assert outcome, f"check_state() blocked on {path}"
+        return outcome[0]
+
+    refused = check_within_20_s(fifo)
+    assert isinstance(refused, TrustError) and "is not a regular file" in str(refused)
+    os.mkfifo(tmp_path / "other.json.lock")  # nor the lock beside it, opened to write
+    refused = check_within_20_s(tmp_path / "other.json")
+    assert isinstance(refused, TrustError) and "is not a regular file" in str(refused)
 
     volume = tmp_path / "volume"
     volume.mkdir()
@@ -334,6 +342,7 @@ def test_a_record_of_seen_versions_is_a_file_written_where_its_link_leads(attack
     record.check_state()
     record.saw("victim", 2)
     assert link.is_symlink() and json.loads(target.read_text()) == {"victim": 2}
+    assert sorted(p.name for p in volume.iterdir()) == ["seen.json", "seen.json.lock"]
     assert lock.read_text() == "not to be emptied"
     assert policy(link).newest_seen("victim") == 2  # a new process reads it back
 

@@ -160,8 +160,9 @@ def _freshness(require_expiry: Any, trust_state: str | None, trust: str | None,
 def _distinct_records(main: str | None, tenants: dict[str, Source]) -> None:
     """Each tenant keeps its own record of seen versions: document names belong to a
     store, so one tenant's ``guide@7`` in a shared record would refuse another's
-    ``guide@3`` as a rollback. One file however named: links followed, and a record
-    that exists compared by its inode (a hard link); nor is one record another's lock."""
+    ``guide@3`` as a rollback. One file however named: links followed, a record that
+    exists compared by its inode (a hard link), and by its folder's inode and its name
+    (a folder mounted twice); nor is one record another's lock."""
     owners: dict[Any, str] = {}
     records = [("the main store", "", main)] + [
         (f"tenant #{n + 1}", f"tenant #{n + 1}: ", s.trust_state)
@@ -172,11 +173,15 @@ def _distinct_records(main: str | None, tenants: dict[str, Source]) -> None:
             continue
         try:
             real = os.path.realpath(path)
-            names = [real, real + ".lock"]  # its lock: one record's lock is no other's record
+            names: list[Any] = [real, real + ".lock"]  # one record's lock is no other's record
             if os.path.exists(real):
                 found = os.stat(real)
                 names.append((found.st_dev, found.st_ino))
-        except (OSError, ValueError) as exc:  # a NUL byte, a name too long
+            folder, base = os.path.split(real)
+            if os.path.isdir(folder):  # one folder by two names (a bind mount): one record
+                place = os.stat(folder)
+                names += [(place.st_dev, place.st_ino, name) for name in (base, base + ".lock")]
+        except (OSError, ValueError) as exc:  # a NUL byte
             raise KvcdnError(f"{where}trust_state is not a usable path: {exc}") from None
         for name in names:
             if name in owners:
