@@ -462,11 +462,10 @@ class TrustPolicy:
         reader names such a record at start: a record that cannot be written would
         otherwise leave each save a warning and the next start without the versions
         seen."""
-        self._load_state()
         if self.state_path is None:
             return
         try:
-            self._write_record()
+            self._write_record()  # reads the record first, under its lock
         except OSError as exc:
             raise TrustError(f"the record of the versions this reader has seen, "
                              f"{self.state_path}, cannot be written: {exc.strerror or exc}"
@@ -526,7 +525,7 @@ class TrustPolicy:
         replacing the link itself would leave its target (a mounted volume's file,
         say) behind with the older record."""
         assert self.state_path is not None
-        record = _real(self.state_path)
+        record = Path(os.path.realpath(self.state_path))
         record.parent.mkdir(parents=True, exist_ok=True)
         lock = _open_lock(record)
         try:
@@ -547,10 +546,6 @@ class TrustPolicy:
                 raise
         finally:
             os.close(lock)
-
-
-def _real(path: Path) -> Path:
-    return Path(os.path.realpath(path))
 
 
 def _open_lock(record: Path) -> int:
