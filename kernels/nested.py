@@ -41,7 +41,7 @@ from . import parallel
 from .rans import PROB_BITS, RANS_L, RansError, cumulative
 
 if TYPE_CHECKING:
-    from .nested_simd import BlockSetup
+    from .nested_simd import BlockSetup, VectorTables
 
 STATES = 4
 _MASK = (1 << PROB_BITS) - 1
@@ -366,7 +366,7 @@ def decode(
     lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray, depth: np.ndarray,
     lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray, stride: int,
     out: np.ndarray, vector: bool = True,
-    vector_tables: tuple[np.ndarray, np.ndarray] | None = None,
+    vector_tables: VectorTables | None = None,
     block_setup: BlockSetup | None = None,
 ) -> None:  # fmt: skip
     """Tiers ``0..k`` of every group into ``out [G, T, D]`` (float32).
@@ -382,7 +382,7 @@ def decode(
     Sixteen groups at a time in vector registers (:mod:`.nested_simd`) where the host
     has AVX-512 or AVX2 and the arrays allow, else (or with ``vector=False``) group by group;
     the two give the same values and errors. ``vector_tables``: the vector kernel's
-    form of ``lut``, ``cum``, ``base_tid``, ``lo`` and ``stride``
+    form of ``lut``, ``cum``, ``base_tid`` and ``stride``
     (:func:`.nested_simd.vector_tables`), and
     ``block_setup`` how its blocks take the groups and what each starts from
     (:func:`.nested_simd.block_setup` of :func:`.nested_simd.plan_blocks` and these

@@ -20,11 +20,15 @@ position), but groups are independent, so each vector lane keeps one group's sta
   and :func:`decode` shares the blocks out so that each thread takes as many steps.
 * A ternary table needs no lookup: its symbol is the count of its two cut points at
   or below the slot, its start and next cut are blends of them.
+* A base step looks up one 32-bit entry a slot (:class:`VectorTables`: the slot's
+  symbol, its frequency and the slot's offset in it), not the slot's symbol and then
+  the symbol's entry: the second gather was about 40% of the base's time, more than
+  the larger tables cost (16 KB each, the bases' only: a block's outgrow a Zen 4's
+  L2 cache). The rANS kernel took 0.82-0.96x its time by tier there.
 * Contexts (the previous token's symbol in the lane): a base step takes its table from
-  a row it set at the previous token, context 0's plus the context its symbol's table
-  entry codes (:func:`vector_tables`: the entry's low byte; the index's sign took
-  nine instructions of about forty); a refinement's cut points are blended from the
-  nine contexts' by the previous symbol, then the parent.
+  a row it set at the previous token, context 0's plus ``1 + sign(index)`` tables;
+  a refinement's cut points are blended from the nine contexts' by the previous
+  symbol, then the parent.
 * Values: each group's row of the token gathered from its lanes' last indices and written
   as sixteen consecutive floats, ``mean + float32(n) * scale`` rounded twice as the
   scalar kernel rounds them.
@@ -43,6 +47,7 @@ group's stream as in the scalar kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -58,42 +63,57 @@ _MAX_ELEMENTS = 1 << 31  # the instructions' indices are signed 32-bit
 #: Words one read takes from a stream's clamped position on: the four a step of each
 #: state may need (the four states take at most one each before the next read).
 WORDS_READ = 4
-_SYMBOLS = 256  # a base table's symbols, at most (a decode table entry's 8 bits)
 
 
-def vector_tables(lut: np.ndarray, cum: np.ndarray, base_tid: np.ndarray, lo: np.ndarray,
-                  stride: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """The decode tables as :func:`decode` reads them: each slot's symbol (``uint8
-    [n * 4096 + 3]``, a fourth of the packed tables, so that the tables a block of
-    groups uses stay in the L2 cache rather than in L3: a lookup was two thirds of the
-    base's time), and each symbol's ``code | freq - 1 << 8 | start << 20`` (``uint32 [n
-    * 256]``), ``code`` the context of the stream's next token, ``(1 + sign(symbol +
-    lo)) * stride`` (a base table's streams all have its ``lo``: the profile's parser
-    holds every context of a stream to one range), so that a step finds its next table
-    from what it gathers rather than from the index's sign. Made once per profile
-    (``lut [n, 4096]``, ``cum [n, symbols]``: the packed tables and their starts,
-    :func:`kvcdn.kernels.nested.decode`'s; ``base_tid``, ``lo`` ``[G, D]`` and
-    ``stride``: the base's first table, range and context stride of every group's
-    streams)."""
+class VectorTables(NamedTuple):
+    """The base tables as :func:`decode` reads them, made once per profile by
+    :func:`vector_tables`: ``entries`` (``uint32 [tables * 4096]``), each slot's
+    ``symbol | freq - 1 << 8 | (slot - start) << 20``, for the base tables only (the
+    refinements' are their cut points, in the :class:`BlockSetup`), each base's
+    contexts' tables next to each other; ``index`` (``int64 [n]``), where each decode
+    table's base starts among them (-1: a table no base starts at); ``source``, ``n``,
+    the decode tables they were made from."""
+
+    entries: np.ndarray
+    index: np.ndarray
+    source: int
+
+    @property
+    def tables(self) -> int:
+        return len(self.entries) // _SLOTS
+
+
+def vector_tables(lut: np.ndarray, cum: np.ndarray, base_tid: np.ndarray, stride: int
+                  ) -> VectorTables:  # fmt: skip
+    """The :class:`VectorTables` of the packed decode tables ``lut [n, 4096]`` (the
+    slot's symbol in its low byte) and their starts ``cum [n, symbols]``
+    (:func:`kvcdn.kernels.nested.decode`'s), for streams whose base starts at table
+    ``base_tid [G, D]`` with contexts ``stride`` tables apart (three of them; one where
+    ``stride`` is 0). 2.5 MB for the embedded model's 52 bases."""
     lut = np.asarray(lut, dtype=np.uint32).reshape(-1, _SLOTS)
-    symbols = np.zeros(lut.size + 3, dtype=np.uint8)  # three more: each read takes four
-    symbols[: lut.size] = (lut & 0xFF).reshape(-1)
-    starts = np.full((len(lut), _SYMBOLS), _SLOTS, dtype=np.int64)
-    starts[:, : cum.shape[1]] = cum
-    freq = np.diff(starts, axis=1, append=np.full((len(lut), 1), _SLOTS))
-    # a symbol without slots (past the last one used) has an entry never read
-    info = ((freq - 1) & 0xFFF) << 8 | (starts & 0xFFF) << 20
-    table_lo = np.zeros(len(lut), dtype=np.int64)  # of the tables a base uses
-    first = np.asarray(base_tid, dtype=np.int64).reshape(-1)
-    ranges = np.asarray(lo, dtype=np.int64).reshape(-1)
-    contexts = [first + c * stride for c in range(3 if stride else 1)]
-    for tables in contexts:
-        table_lo[tables] = ranges
-    if any(np.any(table_lo[tables] != ranges) for tables in contexts):
-        raise ValueError("streams that share a base table do not share its range")
-    index = table_lo[:, None] + np.arange(_SYMBOLS)
-    info |= (1 + np.sign(index)) * stride
-    return symbols, info.astype(np.uint32).reshape(-1)
+    base_tid = np.asarray(base_tid, dtype=np.int64)
+    contexts = 3 if stride else 1
+    if base_tid.size and (int(base_tid.min()) < 0
+                          or int(base_tid.max()) + (contexts - 1) * stride >= len(lut)):
+        raise ValueError("a stream's table is not one of the decode tables")
+    bases = np.unique(base_tid)
+    tables = (bases[:, None] + np.arange(contexts) * stride).reshape(-1)
+    slot = lut[tables].astype(np.int64)
+    symbol = slot & 0xFF
+    starts = np.asarray(cum, dtype=np.int64)[tables]
+    edges = np.concatenate([starts, np.full((len(tables), 1), _SLOTS)], axis=1)
+    row = np.arange(len(tables))[:, None]
+    start = edges[row, symbol]
+    freq = edges[row, symbol + 1] - start
+    bias = np.arange(_SLOTS) - start  # the slot's offset within its symbol's slots
+    if np.any(freq < 1) or np.any(bias < 0) or np.any(bias >= freq):
+        raise ValueError("a base table's slots are not its symbols' frequencies")
+    entries = symbol | (freq - 1) << 8 | bias << 20
+    if entries.size >= _MAX_ELEMENTS:  # the kernel's indices are signed 32-bit
+        raise ValueError("too many base tables for the vector decoder")
+    index = np.full(len(lut), -1, dtype=np.int64)
+    index[bases] = np.arange(len(bases)) * contexts
+    return VectorTables(entries.astype(np.uint32).reshape(-1), index, len(lut))
 
 
 def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray,
@@ -131,23 +151,22 @@ def _word(p, last, read, pair0, pair1):  # pragma: no cover - jitted
 
 
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _base_step(x, p, last, read, pair0, pair1, at, rows, first, low, symbols, info, n, codes
+def _base_step(x, p, last, read, pair0, pair1, at, rows, first, low, entries, n, codes
                ):  # pragma: no cover - jitted  # fmt: skip
     """Lane ``at // W`` of every group from its states ``x`` (word position ``p``, its
     words read as :func:`_word` takes them): (new states, new position); the indices
     go to ``n[at:at + W]``. ``rows[at:]``: each group's table at this token, which the
-    step sets for the next one (its ``first[at:]``, context 0's, plus the context the
-    symbol's entry codes, masked by ``codes``: 3, or 0 where every context has one table,
-    so that tables made for another stride cannot point past the tables)."""
-    slot = x & _MASK
-    table = load(rows, at)  # the table's first slot
-    symbol = gather(symbols, table + slot)
-    e = gather(info, (table >> (PROB_BITS - 8)) + symbol)  # the table's 256 entries
-    v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + slot - (e >> 20)
+    step sets for the next one (its ``first[at:]``, context 0's, plus ``1 + sign`` of
+    the index tables, masked by ``codes``: 3, or 0 where a stream's base is one table,
+    so that no setup of another stride can point past the tables)."""
+    e = gather(entries, load(rows, at) + (x & _MASK))  # the table's first slot + the slot
+    v = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + (e >> 20)
     take = v < RANS_L
     w = _word(p, last, read, pair0, pair1)
-    store(n, at, symbol + load(low, at))
-    store(rows, at, load(first, at) + ((e & codes) << PROB_BITS))
+    index = (e & 0xFF) + load(low, at)
+    store(n, at, index)
+    context = 1 + ((0 - index) >> 31) + sra(index, 31)  # 1 + sign(index), unsigned lanes
+    store(rows, at, load(first, at) + ((context & codes) << PROB_BITS))
     return (v << (take << 4)) | (w & (0 - take)), p + take
 
 
@@ -193,7 +212,7 @@ def _refine_step(x, p, last, read, pair0, pair1, at, coded, cuts, skip, prev, n
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols, info, tier_at,
+def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, entries, tier_at,
                    row_at, most, first, low, mu, scale, fin, coded, cuts, prev0, stride, out,
                    status):  # pragma: no cover  # fmt: skip
     """Blocks ``blocks[b0:b1]`` of ``W`` groups (block ``b``: ``order[b * W:]``), tiers
@@ -204,7 +223,7 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
     group_stride, token_stride = out.strides[0] // 4, out.strides[1] // 4
     rows = np.empty(D * W, np.uint32)  # lane-major: [d * W + lane]
     codes = np.uint32(3) if stride else np.uint32(0)
-    context_1 = np.uint32(stride * _SLOTS)
+    context_1 = np.uint32(_SLOTS if stride else 0)  # a stream's contexts are adjacent
     prev = np.zeros(most * W, np.uint32)  # [at * W + lane]: the previous token's symbols
     xs = np.empty(R * STATES * W, np.uint32)
     pos = np.empty(R * W, np.uint32)
@@ -243,13 +262,13 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
                 read = minimum(p, end)
                 r0w, r1w = gather_pair(words, read), gather_pair(words, read + 2)
                 x0, p = _base_step(x0, p, end, read, r0w, r1w, d * W, rows, first_b, low_b,
-                                   symbols, info, n, codes)  # fmt: skip
+                                   entries, n, codes)  # fmt: skip
                 x1, p = _base_step(x1, p, end, read, r0w, r1w, (d + 1) * W, rows, first_b,
-                                   low_b, symbols, info, n, codes)  # fmt: skip
+                                   low_b, entries, n, codes)  # fmt: skip
                 x2, p = _base_step(x2, p, end, read, r0w, r1w, (d + 2) * W, rows, first_b,
-                                   low_b, symbols, info, n, codes)  # fmt: skip
+                                   low_b, entries, n, codes)  # fmt: skip
                 x3, p = _base_step(x3, p, end, read, r0w, r1w, (d + 3) * W, rows, first_b,
-                                   low_b, symbols, info, n, codes)  # fmt: skip
+                                   low_b, entries, n, codes)  # fmt: skip
             store(xs, 0, x0)
             store(xs, W, x1)
             store(xs, 2 * W, x2)
@@ -299,7 +318,7 @@ def _decode_blocks(b0, b1, blocks, order, k, words, wbeg, wend, states, symbols,
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _setup_blocks(k, order, depth, top, lo, base_tid, refine_tid, cut_of, mean, fine, stride
+def _setup_blocks(k, order, depth, top, lo, base, refine_tid, cut_of, mean, fine, stride
                   ):  # pragma: no cover - jitted  # fmt: skip
     """:class:`BlockSetup`'s arrays (see it) for the blocks of ``order``."""
     G, D = depth.shape[1], depth.shape[2]
@@ -334,7 +353,7 @@ def _setup_blocks(k, order, depth, top, lo, base_tid, refine_tid, cut_of, mean, 
         for lane in range(W):
             g = order[min(b * W + lane, G - 1)]
             for d in range(D):
-                first[lanes + d * W + lane] = base_tid[g, d] * _SLOTS
+                first[lanes + d * W + lane] = base[g, d] * _SLOTS
                 low[lanes + d * W + lane] = np.uint32(np.int64(lo[g, d]) & 0xFFFFFFFF)
                 fin[lanes + lane * D + d] = d * W + lane
                 mu[lanes + lane * D + d] = mean[g, d]
@@ -414,17 +433,18 @@ class BlockSetup:
     k: int
     shape: tuple[int, int, int]  # the depth's (tiers, groups, lanes)
     stride: int
-    tables: int  # the decode tables it starts base steps in: at most this many
+    tables: int  # the vector tables it starts base steps in: at most this many
     arrays: tuple[np.ndarray, ...]  # _setup_blocks's, in its order
     most: int  # the rows of its largest block
 
 
 def block_setup(plan: BlockPlan, k: int, depth: np.ndarray, lo: np.ndarray,
                 base_tid: np.ndarray, refine_tid: np.ndarray, cum: np.ndarray,
-                mean: np.ndarray, fine: np.ndarray, stride: int) -> BlockSetup:  # fmt: skip
+                mean: np.ndarray, fine: np.ndarray, stride: int, tables: VectorTables
+                ) -> BlockSetup:  # fmt: skip
     """The :class:`BlockSetup` of ``plan``'s blocks at tiers ``0..k`` (arrays as
-    :func:`decode` takes them); ValueError if the plan's order is not one of these
-    groups."""
+    :func:`decode` takes them, the bases' ``tables`` as :func:`vector_tables` makes
+    them); ValueError if the plan's order is not one of these groups."""
     R, G, D = depth.shape
     order = plan.order
     if (order.dtype != np.int64 or order.shape != (G,)
@@ -439,19 +459,24 @@ def block_setup(plan: BlockPlan, k: int, depth: np.ndarray, lo: np.ndarray,
     for tid in (base_tid, refine_tid):  # what the setup reads its tables at
         if np.size(tid) and (int(np.min(tid)) < 0 or int(np.max(tid)) + 2 * stride >= len(cum)):
             raise ValueError("a stream's table is not one of the decode tables")
+    if tables.source != len(cum):
+        raise ValueError("the vector tables are not those of these decode tables")
+    base = tables.index[np.asarray(base_tid, dtype=np.int64)]
+    contexts = 3 if stride else 1
+    if base.size and (int(base.min()) < 0 or int(base.max()) + contexts > tables.tables):
+        raise ValueError("a stream's base table is not one of the vector tables")
     cum = np.asarray(cum, dtype=np.int64)
     cut_of = (cum[:, 1] | (cum[:, 2] << 16)).astype(np.uint32)  # each ternary table's cuts
     depth = np.ascontiguousarray(depth, dtype=np.int64)
     arrays = _setup_blocks(
         k, order, depth, np.ascontiguousarray(depth[-1]),
-        *(np.ascontiguousarray(a, dtype=np.int64) for a in (lo, base_tid, refine_tid)), cut_of,
+        *(np.ascontiguousarray(a, dtype=np.int64) for a in (lo, base, refine_tid)), cut_of,
         *(np.ascontiguousarray(a, dtype=np.float32) for a in (mean, fine)), int(stride),
     )  # fmt: skip
     for a in arrays:
         a.flags.writeable = False  # shared by every chunk's decode
     row_at = arrays[1]
-    tables = int(base_tid.max(initial=0)) + 2 * stride + 1
-    return BlockSetup(plan, k, (R, G, D), stride, tables, arrays,
+    return BlockSetup(plan, k, (R, G, D), stride, int(base.max(initial=0)) + contexts, arrays,
                       int(np.diff(row_at).max(initial=0)))  # fmt: skip
 
 
@@ -581,30 +606,30 @@ def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states
            lut: np.ndarray, cum: np.ndarray, mean: np.ndarray, fine: np.ndarray,
            depth: np.ndarray, lo: np.ndarray, base_tid: np.ndarray, refine_tid: np.ndarray,
            stride: int, out: np.ndarray, status: np.ndarray,
-           tables: tuple[np.ndarray, np.ndarray] | None = None,
+           tables: VectorTables | None = None,
            setup: BlockSetup | None = None) -> None:  # fmt: skip
     """:func:`kvcdn.kernels.nested.decode`'s work on arrays it has checked and typed
     (where :func:`usable`): each group's end check into ``status``. ``tables``:
-    :func:`vector_tables` of ``lut``, ``cum``, ``base_tid``, ``lo`` and ``stride``, made
-    now if not given; ``setup``: :func:`block_setup` of :func:`plan_blocks` and these
+    :func:`vector_tables` of ``lut``, ``cum``, ``base_tid`` and ``stride``, made now if
+    not given; ``setup``: :func:`block_setup` of :func:`plan_blocks` and these
     arrays, likewise. The blocks are shared out so that each thread takes about as many
     refinement steps."""
     G = out.shape[0]
-    symbols, info = (tables if tables is not None
-                     else vector_tables(lut, cum, base_tid, lo, stride))  # fmt: skip
-    if len(symbols) != lut.size + 3 or len(info) != lut.size // _SLOTS * _SYMBOLS:
+    if tables is None:
+        tables = vector_tables(lut, cum, base_tid, stride)
+    if tables.source != lut.size // _SLOTS:
         raise ValueError("the vector tables are not those of these decode tables")
     if setup is None:
         setup = block_setup(plan_blocks(k, depth), k, depth, lo, base_tid, refine_tid, cum,
-                            mean, fine, stride)  # fmt: skip
+                            mean, fine, stride, tables)  # fmt: skip
     # the kernel does not check the setup's indices: it must be one of arrays like these
     if (setup.k != k or setup.shape != depth.shape or setup.stride != stride
-            or setup.tables > lut.size // _SLOTS):  # fmt: skip
+            or setup.tables > tables.tables):  # fmt: skip
         raise ValueError("the block setup is not one of these groups and tables")
     order, blocks = setup.plan.order, setup.plan.blocks()
     if blocks.dtype != np.int64 or not np.array_equal(np.sort(blocks), np.arange(-(-G // W))):
         raise ValueError("the block plan is not one of these groups")
     parallel.run(
-        _decode_blocks, len(blocks), blocks, order, k, words, wbeg, wend, states, symbols,
-        info, *setup.arrays[:2], setup.most, *setup.arrays[2:], stride, out, status,
+        _decode_blocks, len(blocks), blocks, order, k, words, wbeg, wend, states,
+        tables.entries, *setup.arrays[:2], setup.most, *setup.arrays[2:], stride, out, status,
     )  # fmt: skip

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not simd.AVAILABLE, reason="the host has no AVX-
 TOKENS = 24
 ARRAYS = ("words", "wbeg", "wend", "states", "lut", "cum", "mean", "fine", "depth", "lo",
           "base", "refine", "stride")  # fmt: skip
+SETUP = ("depth", "lo", "base", "refine", "cum", "mean", "fine")  # block_setup's, in order
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +128,14 @@ def test_blocks_take_fewer_steps_than_groups_sorted_by_their_counts(streams) -> 
     assert nested_simd.block_order(0, depth).tolist() == list(range(180))
 
 
+def tables_of(case: dict[str, np.ndarray]) -> nested_simd.VectorTables:
+    return nested_simd.vector_tables(case["lut"], case["cum"], case["base"], int(case["stride"]))
+
+
 def setup_of(case: dict[str, np.ndarray], k: int, plan: nested_simd.BlockPlan
              ) -> nested_simd.BlockSetup:  # fmt: skip
-    args = (case[a] for a in ("depth", "lo", "base", "refine", "cum", "mean", "fine"))
-    return nested_simd.block_setup(plan, k, *args, int(case["stride"]))
+    args = (case[a] for a in SETUP)
+    return nested_simd.block_setup(plan, k, *args, int(case["stride"]), tables_of(case))
 
 
 def test_any_order_of_the_groups_decodes_the_same_and_others_are_refused(streams) -> None:
@@ -157,8 +162,8 @@ def test_any_order_of_the_groups_decodes_the_same_and_others_are_refused(streams
 def test_a_block_setup_is_taken_only_for_arrays_of_its_shapes(streams) -> None:
     """A block setup (made once per profile, tiers and groups, then read by the kernel
     without bounds checks) is refused for other tiers, groups or lanes, another
-    stride, or tables fewer than its base steps start in; one made for the arrays
-    decodes as the scalar kernel does, chunk after chunk."""
+    stride, or vector tables fewer than its base steps start in; one made for the
+    arrays decodes as the scalar kernel does, chunk after chunk."""
     k = streams["depth"].shape[0] - 1
     arrays = [streams[a] for a in ARRAYS]
     plan = nested_simd.plan_blocks(k, streams["depth"])
@@ -176,10 +181,18 @@ def test_a_block_setup_is_taken_only_for_arrays_of_its_shapes(streams) -> None:
     with pytest.raises(ValueError, match="block setup"):
         nested.decode(k, *(few[a] for a in ARRAYS), np.empty((20, TOKENS, 64), np.float32),
                       block_setup=setup)  # fmt: skip
-    lut = streams["lut"][: setup.tables - 1]  # the setup's base tables past these
-    small = dict(streams, lut=lut, cum=streams["cum"][: len(lut)])
-    with pytest.raises(ValueError, match="table"):
-        nested.decode(k, *(small[a] for a in ARRAYS), np.empty_like(want), block_setup=setup)
+    one = tables_of(dict(streams, base=np.full_like(streams["base"], streams["base"][0, 0])))
+    assert one.tables == 3 < setup.tables  # the setup's base tables past these
+    with pytest.raises(ValueError, match="block setup"):
+        nested.decode(k, *arrays, np.empty_like(want), vector_tables=one, block_setup=setup)
+    lut = streams["lut"][: int(streams["base"].max())]  # tables of other decode tables
+    with pytest.raises(ValueError, match="vector tables"):
+        nested.decode(k, *arrays, np.empty_like(want), vector_tables=tables_of(
+            dict(streams, lut=lut, cum=streams["cum"][: len(lut)], base=streams["base"] % 3)))
+    shifted = dict(streams, base=streams["base"] + 1)  # tables no base starts at
+    with pytest.raises(ValueError, match="not one of the vector tables"):
+        nested_simd.block_setup(plan, k, *(shifted[a] for a in SETUP), int(streams["stride"]),
+                                tables_of(streams))  # fmt: skip
     with pytest.raises(ValueError, match="do not fit"):
         setup_of(dict(streams, lo=streams["lo"][:20]), k, plan)
     bad = streams["refine"].copy()
@@ -188,22 +201,40 @@ def test_a_block_setup_is_taken_only_for_arrays_of_its_shapes(streams) -> None:
         setup_of(dict(streams, refine=bad), k, plan)
 
 
-def test_vector_tables_refuse_streams_that_share_a_table_but_not_its_range(streams) -> None:
-    """The vector kernel reads a base step's next context from its table's entries, which
-    hold for one range per table (as the profile's parser requires): two streams of one
-    table with different ranges are refused, not decoded in the wrong context."""
-    args = streams["lut"], streams["cum"]
-    base, lo, stride = streams["base"].copy(), streams["lo"].copy(), int(streams["stride"])
-    nested_simd.vector_tables(*args, base, lo, stride)  # the profile's own
-    base[1, 0], lo[1, 0] = base[0, 0], lo[0, 0] + 1
-    with pytest.raises(ValueError, match="range"):
-        nested_simd.vector_tables(*args, base, lo, stride)
+def test_streams_of_one_base_table_with_other_ranges_decode_as_the_scalar_one(
+        streams, profile, model, sed_text) -> None:  # fmt: skip
+    """A base step takes its next context from the sign of its lane's own index, not from
+    its table: a stream whose range differs from the other streams of its table (what
+    the profile's parser refuses, and the vector tables once refused too) decodes to
+    the scalar decoder's values. Vector tables of decode tables whose slots are not
+    their symbols' frequencies are refused."""
+    kv = model.prefill(model.document_ids(sed_text)[: TOKENS + 8])[:, :, :, 8:]
+    mean, fine, depth, lo, size, base, refine, stride = profile.nested_arrays()
+    lo = lo.copy()
+    lo[1, 0] += 1  # every index of the stream one more: contexts moved
+    lo[2, 5] -= 2
+    x = kv.float().numpy().reshape(-1, TOKENS, kv.shape[4])
+    states, words, start = nested.encode(x, mean, fine, depth, lo, size, base, refine, stride,
+                                         profile.freqs)  # fmt: skip
+    first = np.cumsum([0] + [len(w) for w in words])[:, None]
+    case = dict(streams, words=np.concatenate([*words, np.zeros(4, np.uint16)]),
+                wbeg=start[:, :-1] + first[:-1], wend=start[:, 1:] + first[:-1], states=states,
+                lo=lo)  # fmt: skip
+    for k in range(depth.shape[0]):
+        want = decode(case, k, False, sliced=False)
+        assert np.array_equal(decode(case, k, True, sliced=False).view(np.uint32),
+                              want.view(np.uint32)), k  # fmt: skip
+    lut = streams["lut"].copy()
+    table = int(base[0, 0])
+    lut[table, 0] = (lut[table, 0] & ~np.uint32(0xFF)) | np.uint32(lut[table, -1] & 0xFF)
+    with pytest.raises(ValueError, match="frequencies"):
+        tables_of(dict(streams, lut=lut))
 
 
 def test_a_profile_without_contexts_decodes_as_the_scalar_one_does(profile, model,
                                                                     sed_text) -> None:
     """Stride 0 (a profile made before contexts: one base table a stream, one ternary
-    table per parent context): the base's entries then code no context, and the vector
+    table per parent context): a base step then stays in its one table, and the vector
     decoder still gives the scalar one's values at every tier."""
     kv = model.prefill(model.document_ids(sed_text)[: TOKENS + 8])[:, :, :, 8:]
     mean, fine, depth, lo, size, base, refine, _ = profile.nested_arrays()
