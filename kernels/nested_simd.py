@@ -71,11 +71,13 @@ class VectorTables(NamedTuple):
     ``symbol | freq - 1 << 8 | (slot - start) << 20``, for the base tables only (the
     refinements' are their cut points, in the :class:`BlockSetup`), each base's
     contexts' tables next to each other; ``index`` (``int64 [n]``), where each decode
-    table's base starts among them (-1: a table no base starts at); ``source``, ``n``,
+    table's base starts among them (-1: a table no base starts at); ``contexts``, the
+    tables of each base (3, or 1 for a profile without contexts); ``source``, ``n``,
     the decode tables they were made from."""
 
     entries: np.ndarray
     index: np.ndarray
+    contexts: int
     source: int
 
     @property
@@ -113,7 +115,7 @@ def vector_tables(lut: np.ndarray, cum: np.ndarray, base_tid: np.ndarray, stride
         raise ValueError("too many base tables for the vector decoder")
     index = np.full(len(lut), -1, dtype=np.int64)
     index[bases] = np.arange(len(bases)) * contexts
-    return VectorTables(entries.astype(np.uint32).reshape(-1), index, len(lut))
+    return VectorTables(entries.astype(np.uint32).reshape(-1), index, contexts, len(lut))
 
 
 def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray,
@@ -459,10 +461,10 @@ def block_setup(plan: BlockPlan, k: int, depth: np.ndarray, lo: np.ndarray,
     for tid in (base_tid, refine_tid):  # what the setup reads its tables at
         if np.size(tid) and (int(np.min(tid)) < 0 or int(np.max(tid)) + 2 * stride >= len(cum)):
             raise ValueError("a stream's table is not one of the decode tables")
-    if tables.source != len(cum):
+    contexts = 3 if stride else 1
+    if tables.source != len(cum) or tables.contexts != contexts:
         raise ValueError("the vector tables are not those of these decode tables")
     base = tables.index[np.asarray(base_tid, dtype=np.int64)]
-    contexts = 3 if stride else 1
     if base.size and (int(base.min()) < 0 or int(base.max()) + contexts > tables.tables):
         raise ValueError("a stream's base table is not one of the vector tables")
     cum = np.asarray(cum, dtype=np.int64)

@@ -189,6 +189,10 @@ def test_a_block_setup_is_taken_only_for_arrays_of_its_shapes(streams) -> None:
     with pytest.raises(ValueError, match="vector tables"):
         nested.decode(k, *arrays, np.empty_like(want), vector_tables=tables_of(
             dict(streams, lut=lut, cum=streams["cum"][: len(lut)], base=streams["base"] % 3)))
+    without = nested_simd.vector_tables(streams["lut"], streams["cum"], streams["base"], 0)
+    with pytest.raises(ValueError, match="vector tables"):  # made for one table a base
+        nested_simd.block_setup(plan, k, *(streams[a] for a in SETUP), int(streams["stride"]),
+                                without)  # fmt: skip
     shifted = dict(streams, base=streams["base"] + 1)  # tables no base starts at
     with pytest.raises(ValueError, match="not one of the vector tables"):
         nested_simd.block_setup(plan, k, *(shifted[a] for a in SETUP), int(streams["stride"]),
