@@ -103,6 +103,8 @@ def vector_tables(lut: np.ndarray, cum: np.ndarray, base_tid: np.ndarray, stride
     slot = lut[tables].astype(np.int64)
     symbol = slot & 0xFF
     starts = np.asarray(cum, dtype=np.int64)[tables]
+    if tables.size and int(symbol.max()) >= starts.shape[1]:
+        raise ValueError("a base table's slots are not its symbols' frequencies")
     edges = np.concatenate([starts, np.full((len(tables), 1), _SLOTS)], axis=1)
     row = np.arange(len(tables))[:, None]
     start = edges[row, symbol]

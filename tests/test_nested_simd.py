@@ -233,6 +233,8 @@ def test_streams_of_one_base_table_with_other_ranges_decode_as_the_scalar_one(
     lut[table, 0] = (lut[table, 0] & ~np.uint32(0xFF)) | np.uint32(lut[table, -1] & 0xFF)
     with pytest.raises(ValueError, match="frequencies"):
         tables_of(dict(streams, lut=lut))
+    with pytest.raises(ValueError, match="frequencies"):  # symbols past the starts given
+        tables_of(dict(streams, cum=streams["cum"][:, :2]))
 
 
 def test_a_profile_without_contexts_decodes_as_the_scalar_one_does(profile, model,
