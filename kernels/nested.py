@@ -421,7 +421,7 @@ def decode(
         np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(base_tid, dtype=np.int64),
         np.ascontiguousarray(refine_tid, dtype=np.int64), check_stride(stride),
     )  # fmt: skip
-    if vector and nested_simd.usable(out, words, lut, wbeg, wend):
+    if vector and nested_simd.usable(out, words, lut, wbeg, wend, lo):
         nested_simd.decode(*args, depth, *tables, out, status, vector_tables, block_setup)
     else:
         parallel.run(_decode, G, *args, np.ascontiguousarray(depth[-1]), depth, *tables, out,

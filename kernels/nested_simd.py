@@ -60,6 +60,7 @@ from .simd import W, gather, gather_pair, load, minimum, put_values, select, sra
 _MASK = (1 << PROB_BITS) - 1
 _SLOTS = 1 << PROB_BITS
 _MAX_ELEMENTS = 1 << 31  # the instructions' indices are signed 32-bit
+_MAX_LO = 1 << 20  # a base range's start, in steps: its indices times 3^6 stay 32-bit
 #: Words one read takes from a stream's clamped position on: the four a step of each
 #: state may need (the four states take at most one each before the next read).
 WORDS_READ = 4
@@ -117,13 +118,17 @@ def vector_tables(lut: np.ndarray, cum: np.ndarray, base_tid: np.ndarray, stride
         raise ValueError("too many base tables for the vector decoder")
     index = np.full(len(lut), -1, dtype=np.int64)
     index[bases] = np.arange(len(bases)) * contexts
-    return VectorTables(entries.astype(np.uint32).reshape(-1), index, contexts, len(lut))
+    entries = entries.astype(np.uint32).reshape(-1)
+    for a in (entries, index):
+        a.flags.writeable = False  # shared by every chunk's decode
+    return VectorTables(entries, index, contexts, len(lut))
 
 
 def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray,
-           wend: np.ndarray) -> bool:  # fmt: skip
+           wend: np.ndarray, lo: np.ndarray | None = None) -> bool:  # fmt: skip
     """Whether :func:`decode` takes these arrays: a host with the instructions, a
-    group row of whole vectors, contiguous within a token, tables and words that
+    group row of whole vectors, contiguous within a token, contiguous words (its gathers
+    read from the first one's address), tables, words and base ranges (``lo``) that
     32-bit indices reach, and three words after every stream's last (each read takes
     four: the codec's words end with padding words)."""
     from .simd import AVAILABLE
@@ -133,6 +138,8 @@ def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray
         and out.ndim == 3
         and out.dtype == np.float32
         and words.dtype == np.uint16
+        and words.ndim == 1
+        and words.strides == (2,)  # its gathers read from the first word's address on
         and lut.dtype == np.uint32
         and out.shape[2] % W == 0
         and out.strides[2] == out.itemsize
@@ -141,6 +148,8 @@ def usable(out: np.ndarray, words: np.ndarray, lut: np.ndarray, wbeg: np.ndarray
         and len(words) < _MAX_ELEMENTS
         and lut.size < _MAX_ELEMENTS
         and int(np.maximum(wend - 1, wbeg).max(initial=0)) + WORDS_READ <= len(words)
+        # its indices are 32-bit: ranges far past any profile's (the parser's ±128)
+        and (lo is None or int(np.abs(np.asarray(lo, dtype=np.int64)).max(initial=0)) < _MAX_LO)
     )
 
 
@@ -412,7 +421,10 @@ class BlockPlan:
 def plan_blocks(k: int, depth: np.ndarray) -> BlockPlan:
     """The :class:`BlockPlan` of tiers ``0..k`` of groups of ``depth [R, G, D]``."""
     order = block_order(k, depth)
-    return BlockPlan(order, block_steps(k, depth, order))
+    steps = block_steps(k, depth, order)
+    for a in (order, steps):
+        a.flags.writeable = False  # kept with the profile and read by every chunk's decode
+    return BlockPlan(order, steps)
 
 
 @dataclass(frozen=True, eq=False)
@@ -621,7 +633,9 @@ def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states
     G = out.shape[0]
     if tables is None:
         tables = vector_tables(lut, cum, base_tid, stride)
-    if tables.source != lut.size // _SLOTS:
+    entries = tables.entries
+    if (tables.source != lut.size // _SLOTS or entries.dtype != np.uint32 or entries.ndim != 1
+            or not entries.flags.c_contiguous):  # fmt: skip  # its gathers ignore strides
         raise ValueError("the vector tables are not those of these decode tables")
     if setup is None:
         setup = block_setup(plan_blocks(k, depth), k, depth, lo, base_tid, refine_tid, cum,
@@ -633,7 +647,9 @@ def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states
     order, blocks = setup.plan.order, setup.plan.blocks()
     if blocks.dtype != np.int64 or not np.array_equal(np.sort(blocks), np.arange(-(-G // W))):
         raise ValueError("the block plan is not one of these groups")
+    if order.dtype != np.int64 or not np.array_equal(np.sort(order), np.arange(G)):
+        raise ValueError("the block plan is not one of these groups")  # changed since its setup
     parallel.run(
         _decode_blocks, len(blocks), blocks, order, k, words, wbeg, wend, states,
-        tables.entries, *setup.arrays[:2], setup.most, *setup.arrays[2:], stride, out, status,
+        entries, *setup.arrays[:2], setup.most, *setup.arrays[2:], stride, out, status,
     )  # fmt: skip

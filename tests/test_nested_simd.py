@@ -109,6 +109,20 @@ def test_shapes_the_vector_decoder_does_not_take_use_the_scalar_one(streams) -> 
     want = decode(case, 3, False, sliced=False)
     nested.decode(3, *(case[a] for a in ARRAYS), strided)
     assert np.array_equal(strided.view(np.uint32), want.view(np.uint32))
+    # words every other one of a buffer (its gathers would read the ones between), and
+    # base ranges whose indices 32-bit lanes do not hold: the scalar kernel's values
+    between = np.full(2 * len(case["words"]), 0xBEEF, np.uint16)
+    between[::2] = case["words"]
+    spread = dict(case, words=between[::2])
+    assert not nested_simd.usable(np.empty((20, TOKENS, 64), np.float32), spread["words"],
+                                  *bounds[1:])  # fmt: skip
+    out = np.empty((20, TOKENS, 64), np.float32)
+    nested.decode(3, *(spread[a] for a in ARRAYS), out)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    wide = case["lo"].copy()
+    wide[0, 0] = 1 << 30
+    assert nested_simd.usable(out, *bounds, lo=case["lo"])
+    assert not nested_simd.usable(out, *bounds, lo=wide)
 
 
 def test_blocks_take_fewer_steps_than_groups_sorted_by_their_counts(streams) -> None:
@@ -193,6 +207,21 @@ def test_a_block_setup_is_taken_only_for_arrays_of_its_shapes(streams) -> None:
     with pytest.raises(ValueError, match="vector tables"):  # made for one table a base
         nested_simd.block_setup(plan, k, *(streams[a] for a in SETUP), int(streams["stride"]),
                                 without)  # fmt: skip
+    tables = tables_of(streams)
+    assert not tables.entries.flags.writeable  # shared by every chunk's decode
+    backwards = tables._replace(entries=np.ascontiguousarray(tables.entries)[::-1])
+    with pytest.raises(ValueError, match="vector tables"):  # its gathers ignore strides
+        nested.decode(k, *arrays, np.empty_like(want), vector_tables=backwards,
+                      block_setup=setup)  # fmt: skip
+    with pytest.raises(ValueError, match="vector tables"):
+        nested.decode(k, *arrays, np.empty_like(want), block_setup=setup,
+                      vector_tables=tables._replace(entries=tables.entries.astype(np.uint16)))
+    assert not plan.order.flags.writeable and not plan.steps.flags.writeable
+    mine = nested_simd.BlockPlan(np.arange(180), plan.steps)  # a plan the caller can change
+    changed = setup_of(streams, k, mine)
+    mine.order[3] = 1 << 40  # after its setup was made
+    with pytest.raises(ValueError, match="block plan"):
+        nested.decode(k, *arrays, np.empty_like(want), block_setup=changed)
     shifted = dict(streams, base=streams["base"] + 1)  # tables no base starts at
     with pytest.raises(ValueError, match="not one of the vector tables"):
         nested_simd.block_setup(plan, k, *(shifted[a] for a in SETUP), int(streams["stride"]),
