@@ -463,8 +463,7 @@ def block_setup(plan: BlockPlan, k: int, depth: np.ndarray, lo: np.ndarray,
     them); ValueError if the plan's order is not one of these groups."""
     R, G, D = depth.shape
     order = plan.order
-    if (order.dtype != np.int64 or order.shape != (G,)
-            or not np.array_equal(np.sort(order), np.arange(G))):  # fmt: skip
+    if not _permutes(order, G):
         raise ValueError("the block plan is not one of these groups")
     if len(plan.steps) != -(-G // W):
         raise ValueError("the block plan is not one of these groups")
@@ -494,6 +493,11 @@ def block_setup(plan: BlockPlan, k: int, depth: np.ndarray, lo: np.ndarray,
     row_at = arrays[1]
     return BlockSetup(plan, k, (R, G, D), stride, int(base.max(initial=0)) + contexts, arrays,
                       int(np.diff(row_at).max(initial=0)))  # fmt: skip
+
+
+def _permutes(a: np.ndarray, n: int) -> bool:
+    """Whether ``a`` is an int64 permutation of ``0..n-1`` (what the kernel indexes by)."""
+    return a.dtype == np.int64 and a.shape == (n,) and np.array_equal(np.sort(a), np.arange(n))
 
 
 def block_order(k: int, depth: np.ndarray) -> np.ndarray:
@@ -645,10 +649,9 @@ def decode(k: int, words: np.ndarray, wbeg: np.ndarray, wend: np.ndarray, states
             or setup.tables > tables.tables):  # fmt: skip
         raise ValueError("the block setup is not one of these groups and tables")
     order, blocks = setup.plan.order, setup.plan.blocks()
-    if blocks.dtype != np.int64 or not np.array_equal(np.sort(blocks), np.arange(-(-G // W))):
+    # the order again: its setup checked it, but a plan the caller made can change since
+    if not (_permutes(blocks, -(-G // W)) and _permutes(order, G)):
         raise ValueError("the block plan is not one of these groups")
-    if order.dtype != np.int64 or not np.array_equal(np.sort(order), np.arange(G)):
-        raise ValueError("the block plan is not one of these groups")  # changed since its setup
     parallel.run(
         _decode_blocks, len(blocks), blocks, order, k, words, wbeg, wend, states,
         entries, *setup.arrays[:2], setup.most, *setup.arrays[2:], stride, out, status,
