@@ -27,7 +27,6 @@ from kvcdn.edge import hits, linger
 from kvcdn.edge.cache import DiskCache
 from kvcdn.edge.origin import open_origin
 from kvcdn.edge.server import Edge, _LimitedSite
-from tests.conftest import free_port
 from tests.edge_helpers import chunk_object, large_chunk_object
 
 
@@ -77,10 +76,13 @@ def serving(folder, cache_dir, *, token: str | None = None, idle_s: float = 15.0
         runner = web.AppRunner(edge.app(), handle_signals=False, access_log=None,
                                keepalive_timeout=idle_s)  # fmt: skip
         await runner.setup()
-        ports = free_port(), free_port()
-        await _LimitedSite(runner, "127.0.0.1", ports[0], 1000, hit=counted,
+        # Port 0: the kernel's own choice, bound at once. A port asked of free_port()
+        # and bound later can be handed out twice: a dead origin's port once became
+        # this edge's hit port, and its misses filled from themselves until a 504.
+        await _LimitedSite(runner, "127.0.0.1", 0, 1000, hit=counted,
                            miss=counted_miss).start()  # fmt: skip
-        await _LimitedSite(runner, "127.0.0.1", ports[1], 1000).start()
+        await _LimitedSite(runner, "127.0.0.1", 0, 1000).start()
+        ports = [address[1] for address in runner.addresses]
         served.append(Served(edge, *ports, answered, filled))
         ready.set()
         await stop.wait()
@@ -410,15 +412,19 @@ def test_misses_are_filled_and_answered_as_aiohttp_answers_them(tmp_path):
 def test_a_fill_that_fails_is_answered_as_aiohttp_answers_it(tmp_path):
     """An origin that cannot be reached: the hit path's 502 is aiohttp's, and the
     connection serves its next request."""
-    dead = f"http://127.0.0.1:{free_port()}"
     key, _ = chunk_object(21, layers=1)
     (tmp_path / "store").mkdir()
-    with serving(tmp_path / "store", tmp_path / "cache", origin=dead) as s:
-        fast = exchange(s.hit_port, get(key) + get(key), answers=2)
-        plain = exchange(s.plain_port, get(key) + get(key), answers=2)
-        assert same_answer(fast, plain), (fast, plain)
-        assert [st for st, _, _ in responses(fast)] == [502, 502]
-        assert s.filled == [502, 502]
+    # A socket bound and never listening: connecting to it is refused, and no other
+    # server (nor this edge) can take its port while the test holds it.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{held.getsockname()[1]}"
+        with serving(tmp_path / "store", tmp_path / "cache", origin=dead) as s:
+            fast = exchange(s.hit_port, get(key) + get(key), answers=2)
+            plain = exchange(s.plain_port, get(key) + get(key), answers=2)
+            assert same_answer(fast, plain), (fast, plain)
+            assert [st for st, _, _ in responses(fast)] == [502, 502]
+            assert s.filled == [502, 502]
 
 
 def test_misses_pipelined_and_at_once(tmp_path):
