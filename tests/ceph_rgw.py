@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 import uuid
 from pathlib import Path
+
+from tests.conftest import free_port
 
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "ceph-authtool", "monmaptool", "radosgw-admin")
 
@@ -29,20 +30,14 @@ def ceph_unavailable_reason() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class CephRGW:
     access_key = "KVCDNTESTACCESSKEY01"
     secret_key = "kvcdnTestSecretKey0123456789abcdefghijkl"
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.mon_port = _free_port()
-        self.rgw_port = _free_port()
+        self.mon_port = free_port()
+        self.rgw_port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.rgw_port}"
         self.conf = self.root / "ceph.conf"
         self.env = {**os.environ, "CEPH_CONF": str(self.conf)}

@@ -121,10 +121,20 @@ def payload(data: bytes) -> dict:
     return json.loads(base64.b64decode(raw["payload"])) if "payloadType" in raw else raw
 
 
+_ports_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now and that this session has not been given before:
+    the kernel can hand a port it just freed out again, and two servers told the same
+    one (or an origin meant to be dead told a live edge's) fail at random."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
 
 
 @pytest.fixture(scope="session")
