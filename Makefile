@@ -24,9 +24,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvcdn demo
 
+# The suite's test files, each whole, on TEST_WORKERS processes (pytest-xdist): one
+# process kept about one of two cores busy, its tests waiting on servers, timeouts and
+# subprocesses much of the time. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The embedded model's codec profile, shipped in the package so that a first publish
 # does not calibrate: make it again after a change to the calibration (about 3 minutes).

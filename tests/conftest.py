@@ -12,6 +12,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SED_MANUAL = REPO / "cli" / "data" / "sed-manual.txt"  # `man sed`, a real document
 
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # Workers share the cores. PyTorch's OpenMP threads spin at each barrier, so two
+    # processes running two each on two cores waited on one another: files took
+    # several times their time alone. One thread each (set before torch is imported,
+    # and inherited by the CLI processes tests run); vLLM's workers bind their own.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_home(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -121,20 +128,50 @@ def payload(data: bytes) -> dict:
     return json.loads(base64.b64decode(raw["payload"])) if "payloadType" in raw else raw
 
 
-_ports_given: set[int] = set()
+def _port_slice() -> range:
+    """The ports this test process hands out: its share of 20000-32767, below the
+    kernel's ephemeral range (32768 and up here and by default), so that no port the
+    kernel picks (a server binding port 0, an outgoing connection) can take one given
+    and not bound yet; above Ray's worker ports (10002-19999). Each pytest-xdist worker
+    has a slice of its own: two workers never give out the same port."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    width = (32768 - 20000) // max(workers, 1)
+    return range(20000 + index * width, 20000 + (index + 1) * width)
+
+
+_ports = iter(_port_slice())
 
 
 def free_port() -> int:
-    """A port nothing listens on now and that this session has not been given before:
-    the kernel can hand a port it just freed out again, and two servers told the same
-    one (or an origin meant to be dead told a live edge's) fail at random."""
-    while True:
+    """A port nothing listens on now, that the kernel does not hand out, and that this
+    session has not given before: two servers told the same port (or an origin meant
+    to be dead told a live edge's) fail at random."""
+    for port in _ports:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _ports_given:
-            _ports_given.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: by a server of this run, or anything else here
+                continue
+        return port
+    raise RuntimeError(f"every port of {_port_slice()} was given out")
+
+
+#: Files whose engines take both cores (vLLM at TP=2 and PP=2), run last under xdist.
+BOTH_CORES = ("test_vllm_parallel.py",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """For pytest-xdist (``make test``: ``-n 2 --dist loadfile --no-loadscope-reorder``,
+    each file whole on one worker, handed out in this order): the single-engine vLLM
+    tests, the longest file (about 4.5 minutes), first, so that it does not end the run
+    alone; the parallel engines' file last, where it has the cores to itself, or
+    nearly, instead of beside the other engine's file."""
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return 0 if name == "test_vllm.py" else 2 if name in BOTH_CORES else 1
+
+    items.sort(key=rank)  # stable: the others keep their order
 
 
 @pytest.fixture(scope="session")
