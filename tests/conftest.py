@@ -140,7 +140,8 @@ def _port_slice() -> range:
     return range(20000 + index * width, 20000 + (index + 1) * width)
 
 
-_ports = iter(_port_slice())
+PORTS = _port_slice()
+_ports = iter(PORTS)
 
 
 def free_port() -> int:
@@ -154,7 +155,7 @@ def free_port() -> int:
             except OSError:  # in use: by a server of this run, or anything else here
                 continue
         return port
-    raise RuntimeError(f"every port of {_port_slice()} was given out")
+    raise RuntimeError(f"every port of {PORTS} was given out")
 
 
 #: Files whose engines take both cores (vLLM at TP=2 and PP=2), run last under xdist.

@@ -76,10 +76,10 @@ def serving(folder, cache_dir, *, token: str | None = None, idle_s: float = 15.0
         runner = web.AppRunner(edge.app(), handle_signals=False, access_log=None,
                                keepalive_timeout=idle_s)  # fmt: skip
         await runner.setup()
-        # Port 0: the kernel's own choice, bound at once. A port asked of free_port()
-        # and bound later can be handed out twice: in one CI run a "dead" origin's
-        # port answered and never finished a fill (a 504 after the origin's 30 s), as
-        # it would had it become this edge's own hit port.
+        # Port 0: the kernel's own choice, bound at once, with no gap between choosing
+        # a port and binding it (in one CI run a "dead" origin's port answered and
+        # never finished a fill, a 504 after the origin's 30 s, as it would had it
+        # become this edge's own hit port).
         await _LimitedSite(runner, "127.0.0.1", 0, 1000, hit=counted,
                            miss=counted_miss).start()  # fmt: skip
         await _LimitedSite(runner, "127.0.0.1", 0, 1000).start()
